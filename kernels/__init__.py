@@ -1,0 +1,1 @@
+"""Kernels of glm53: one folder per op, each with api.py (implementation=), reference.py and backends."""

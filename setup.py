@@ -1,0 +1,40 @@
+"""glm53: GLM-5.3-Flash in JAX / Flax NNX with GGUF-resident experts."""
+
+from setuptools import find_packages, setup
+
+TEST = [
+    "pytest>=8",
+    "hypothesis>=6.100",
+    "gguf==0.19.0",
+    "torch==2.13.0",
+    "transformers==5.23.0",
+    "llama-cpp-python==0.3.36",
+    "fla-core==0.6.0",
+    "einops",
+    "ruff",
+]
+
+setup(
+    name="glm53",
+    version="0.1.0",
+    description="GLM-5.3-Flash in JAX / Flax NNX: configs, GGUF codebook experts, Pallas kernels",
+    packages=find_packages(include=["glm53", "glm53.*", "kernels", "kernels.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "jax>=0.10",
+        "flax>=0.12",
+        "optax",
+        "orbax-checkpoint",
+        "ml_collections",
+        "absl-py",
+        "numpy",
+        "safetensors",
+        "tokenizers",
+        "gguf==0.19.0",
+        "tqdm",
+    ],
+    extras_require={
+        "test": TEST,
+        "tpu": ["jax[tpu]"],
+    },
+)
