@@ -12,7 +12,15 @@ import urllib.error
 import urllib.request
 from typing import Protocol, runtime_checkable
 
-__all__ = ["ByteSource", "HTTPSource", "LocalFileSource", "MemorySource", "SourceError", "is_url", "open_source"]
+__all__ = [
+    "ByteSource",
+    "HTTPSource",
+    "LocalFileSource",
+    "MemorySource",
+    "SourceError",
+    "is_url",
+    "open_source",
+]
 
 
 class SourceError(OSError):
@@ -81,7 +89,12 @@ class LocalFileSource:
         done = 0
         while done < n:
             try:
-                got = os.preadv(fd, [out[done:]], offset + done)
+                if hasattr(os, "preadv"):  # straight into `out`
+                    got = os.preadv(fd, [out[done:]], offset + done)
+                else:  # pragma: no cover - platforms without preadv
+                    chunk = os.pread(fd, n - done, offset + done)
+                    out[done : done + len(chunk)] = chunk
+                    got = len(chunk)
             except OSError as e:
                 raise SourceError(f"{self.name}: read of {n} bytes at offset {offset} failed: {e}") from e
             if got <= 0:
@@ -153,10 +166,14 @@ class HTTPSource:
     def _parse_content_range(self, header: str | None, want_start: int) -> tuple[int, int, int]:
         m = _CONTENT_RANGE.match(header or "")
         if m is None or m.group(1) is None or m.group(3) == "*":
-            raise SourceError(f"{self.name}: bad or missing Content-Range header in a 206 response: {header!r}")
+            raise SourceError(
+                f"{self.name}: bad or missing Content-Range header in a 206 response: {header!r}"
+            )
         start, last, total = int(m.group(1)), int(m.group(2)), int(m.group(3))
         if start != want_start or last < start or last >= total:
-            raise SourceError(f"{self.name}: server returned range {header!r}; asked for a range at {want_start}")
+            raise SourceError(
+                f"{self.name}: server returned range {header!r}; asked for a range at {want_start}"
+            )
         return start, last + 1, total
 
     def _request(
@@ -197,7 +214,9 @@ class HTTPSource:
                             break
                         got += k
                 if got != expected:
-                    raise SourceError(f"{self.name}: short response: {got} of {expected} bytes at offset {first}")
+                    raise SourceError(
+                        f"{self.name}: short response: {got} of {expected} bytes at offset {first}"
+                    )
         except urllib.error.HTTPError as e:
             if e.code == 416 and allow_416:
                 return 416, e.headers.get("Content-Range"), b""

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm53.layers.param import param
+from glm53.quant.int8 import Int8Weight
 
 
 class Linear(nnx.Module):
@@ -28,5 +29,7 @@ class Linear(nnx.Module):
         self.kernel = param(rngs, (in_features, out_features), axes, dtype, std=std)
 
     def __call__(self, x: jnp.ndarray, *, precision=None) -> jnp.ndarray:
+        if isinstance(self.kernel.get_value(), Int8Weight):  # int8 storage (checkpoint loader option)
+            return self.kernel.get_value().matmul(x, precision=precision)
         w = self.kernel[...]
         return jnp.matmul(x, w.astype(x.dtype), precision=precision)

@@ -1,0 +1,56 @@
+"""Score token sequences: full logits and mean next-token NLL.
+
+  python -m experiments.score --config=configs/tiny.py --tokens=tokens.json --out=scores.npz
+  python -m experiments.score --weights=HF_DIR --tokens=tokens.json --out=scores.npz
+
+tokens.json is a JSON list of token-id lists. OUT.npz holds logits_0, logits_1, ... (float32 [T_i, vocab]) and
+nll (mean next-token NLL per sequence). --config without --weights scores the seeded random model of that config.
+"""
+
+import json
+import os
+import tempfile
+
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from glm53 import build, scoring
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config (configs/*.py[:variant])", lock_config=True)
+_WEIGHTS = flags.DEFINE_string("weights", None, "HF safetensors folder")
+_TOKENS = flags.DEFINE_string("tokens", None, "JSON file: a list of token-id lists", required=True)
+_OUT = flags.DEFINE_string("out", "scores.npz", "output .npz")
+_DTYPE = flags.DEFINE_string("dtype", "float32", "parameter dtype when loading --weights")
+
+
+def main(argv):
+    del argv
+    if (_WEIGHTS.value is None) == (_CONFIG.value is None):
+        raise app.UsageError("give exactly one of --weights or --config")
+    try:
+        with open(_TOKENS.value) as f:
+            seqs = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise app.UsageError(f"--tokens={_TOKENS.value}: {e}") from None
+    if not isinstance(seqs, list) or not all(isinstance(s, list) and all(isinstance(t, int) for t in s) for s in seqs):
+        raise app.UsageError(f"--tokens={_TOKENS.value}: expected a JSON list of lists of integers")
+    if _WEIGHTS.value:
+        cfg, model = build.load_model(_WEIGHTS.value, dtype=build.parse_dtype(_DTYPE.value))
+    else:
+        cfg, model = build.model_from_experiment_config(_CONFIG.value)
+    logging.info("model config: %s", cfg)
+    logits, nll = scoring.score(model, seqs)
+    arrays = {f"logits_{i}": lg for i, lg in enumerate(logits)}
+    arrays["nll"] = nll
+    out_dir = os.path.dirname(os.path.abspath(_OUT.value))
+    with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".npz", delete=False) as tmp:
+        np.savez(tmp, **arrays)
+    os.replace(tmp.name, _OUT.value)
+    for i, v in enumerate(nll):
+        print(f"sequence {i}: {len(seqs[i])} tokens, mean NLL {v:.4f}")
+    print(f"wrote {_OUT.value}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,40 @@
+"""Building models: a seeded random model from a config, or a model restored from weights on disk."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+from flax import nnx
+
+from glm53.config import ModelConfig, model_config_from_dict
+from glm53.model import Glm53Model
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def parse_dtype(name: str):
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+
+
+def random_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32, **kw) -> Glm53Model:
+    """The deterministic seeded-init model of `cfg` (what entry points run when given --config without --weights)."""
+    return Glm53Model(cfg, rngs=nnx.Rngs(seed), dtype=dtype, **kw)
+
+
+def model_from_experiment_config(config) -> tuple[ModelConfig, Glm53Model]:
+    """From an experiment ConfigDict (``configs/*.py:get_config``): its `model`, `seed` and `param_dtype`."""
+    cfg = model_config_from_dict(config.model)
+    return cfg, random_model(cfg, seed=config.seed, dtype=parse_dtype(config.param_dtype))
+
+
+def load_model(weights: str, *, dtype=jnp.float32, **kw) -> tuple[ModelConfig, Glm53Model]:
+    """A model from weights on disk: an HF safetensors folder (bf16 / fp32 / FP8)."""
+    if os.path.isdir(weights):
+        from glm53.checkpoint import hf
+
+        return hf.load_hf_model(weights, dtype=dtype, **kw)
+    raise ValueError(f"{weights}: not a checkpoint folder (GGUF files come with the quantized-experts work)")

@@ -1,0 +1,193 @@
+"""Generation: jitted prefill / decode steps with donated caches, batched streams at different positions,
+greedy or temperature / top-p / top-k sampling, EOS stops, and MTP speculative decoding.
+
+The model is split once (`nnx.split`) into a graph definition and a state; every step is a pure jitted function
+of (state, cache, tokens). Streams share one batched cache; each stream has its own length, so streams with
+prompts of different lengths are prefilled one at a time into their rows of the cache and then decoded together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from glm53 import sampling
+from glm53.model import Cache, Glm53Model
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 -> greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 -> no top-k filter
+    max_new: int = 32
+    eos_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # new tokens per stream (EOS included when hit)
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    accepted: int = 0  # speculative decoding: accepted drafts
+    drafted: int = 0  # speculative decoding: drafts proposed
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = sum(len(t) for t in self.tokens)
+        return n / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+
+def _slice_stream(cache: Cache, b: int) -> Cache:
+    return jax.tree.map(lambda a: a[b : b + 1], cache)
+
+
+def _put_stream(cache: Cache, b: int, sub: Cache) -> Cache:
+    return jax.tree.map(lambda a, s: a.at[b : b + 1].set(s), cache, sub)
+
+
+class Generator:
+    """Holds a split model and its jitted steps. Steps donate the cache argument."""
+
+    def __init__(self, model: Glm53Model, *, prefill_chunk: int = 256):
+        self.cfg = model.cfg
+        self.graphdef, self.state = nnx.split(model)
+        self.prefill_chunk = prefill_chunk
+        self.has_mtp = model.mtp is not None
+
+        gd = self.graphdef
+
+        @functools.partial(jax.jit, donate_argnums=(1,))
+        def forward(state, cache, tokens):
+            m = nnx.merge(gd, state)
+            h, cache = m.hidden(tokens, cache=cache)
+            return h, m.logits(h), cache
+
+        @functools.partial(jax.jit, donate_argnums=(1,))
+        def mtp(state, cache, h, next_tokens):
+            m = nnx.merge(gd, state)
+            logits, cache = m.mtp_logits(h, next_tokens, cache=cache)
+            return logits, cache
+
+        @functools.partial(jax.jit, static_argnames=("top_k",))
+        def sample(logits, key, temperature, top_p, top_k):
+            return sampling.sample(logits, key, temperature=temperature, top_p=top_p, top_k=top_k)
+
+        self._forward, self._mtp, self._sample = forward, mtp, sample
+        self._init_cache = jax.jit(
+            lambda state, batch, max_len: nnx.merge(gd, state).init_cache(batch, max_len),
+            static_argnums=(1, 2),
+        )
+
+    # ------------------------------------------------------------------------------------------- primitives
+    def init_cache(self, batch: int, max_len: int) -> Cache:
+        return self._init_cache(self.state, batch, max_len)
+
+    def forward(self, cache: Cache, tokens_bt) -> tuple[jnp.ndarray, jnp.ndarray, Cache]:
+        """(hidden [B,T,D], logits [B,T,V], cache) for T new tokens of every stream (cache is donated)."""
+        return self._forward(self.state, cache, jnp.asarray(tokens_bt, jnp.int32))
+
+    def prefill(self, cache: Cache, tokens_t, stream: int = 0):
+        """Feeds a prompt to one stream in pieces of `prefill_chunk`; returns (hidden, logits of the last token, cache)."""
+        tokens_t = np.asarray(tokens_t, np.int32)
+        sub = _slice_stream(cache, stream)
+        hs = []
+        for s in range(0, len(tokens_t), self.prefill_chunk):
+            h, logits, sub = self.forward(sub, tokens_t[None, s : s + self.prefill_chunk])
+            hs.append(h)
+        return jnp.concatenate(hs, axis=1), logits[:, -1], _put_stream(cache, stream, sub)
+
+    def sample(self, logits_bv, key, sp: SamplingParams):
+        return self._sample(logits_bv, key, sp.temperature, sp.top_p, sp.top_k)
+
+    # ------------------------------------------------------------------------------------------- generation
+    def generate(self, prompts: list[list[int]], sp: SamplingParams, *, max_len: int | None = None):
+        """Generates up to sp.max_new tokens for each prompt (streams decoded together, each at its own position)."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate: every prompt needs at least one token")
+        b = len(prompts)
+        max_len = max_len or max(len(p) for p in prompts) + sp.max_new + 1
+        cache = self.init_cache(b, max_len)
+        key = jax.random.key(sp.seed)
+        t0 = time.perf_counter()
+        last = []
+        for i, p in enumerate(prompts):
+            _, lg, cache = self.prefill(cache, p, stream=i)
+            last.append(lg)
+        logits = jnp.concatenate(last, axis=0)
+        jax.block_until_ready(logits)
+        t1 = time.perf_counter()
+        out: list[list[int]] = [[] for _ in range(b)]
+        done = np.zeros(b, bool)
+        eos = set(sp.eos_ids)
+        steps = 0
+        while True:
+            key, sub = jax.random.split(key)
+            tok = np.asarray(self.sample(logits, sub, sp))
+            for i in range(b):
+                if not done[i]:
+                    out[i].append(int(tok[i]))
+                    done[i] = tok[i] in eos or len(out[i]) >= sp.max_new
+            if done.all():
+                break
+            _, logits, cache = self.forward(cache, tok[:, None])
+            logits = logits[:, -1]
+            steps += 1
+        t2 = time.perf_counter()
+        return GenerationResult(out, prefill_s=t1 - t0, decode_s=t2 - t1, decode_steps=steps)
+
+    def generate_speculative(self, prompt: list[int], max_new: int, *, eos_ids=(), max_len: int | None = None):
+        """Greedy decoding of one stream with MTP drafts: each step verifies [next, draft] with the trunk.
+
+        Accepted draft -> two tokens per trunk step. Rejected -> the cache from before the step is restored and
+        the trunk is re-run on the single verified token, so the output is exactly greedy decoding's.
+        """
+        if not self.has_mtp:
+            raise ValueError("generate_speculative needs a model with the MTP block")
+        max_len = max_len or len(prompt) + max_new + 2
+        cache = self.init_cache(1, max_len)
+        t0 = time.perf_counter()
+        h, last_logits, cache = self.prefill(cache, prompt)
+        x_next = int(jnp.argmax(last_logits[0]))
+        # MTP over the prompt: pairs (h_p, token_{p+1}) for p = 0..L-1 (the last pair uses the predicted token).
+        mtp_tokens = np.asarray(list(prompt[1:]) + [x_next], np.int32)[None]
+        dl, cache = self._mtp(self.state, cache, h, mtp_tokens)
+        draft = int(jnp.argmax(dl[0, -1]))
+        jax.block_until_ready(dl)
+        t1 = time.perf_counter()
+        out, eos = [x_next], set(eos_ids)
+        accepted = drafted = steps = 0
+        while len(out) < max_new and out[-1] not in eos:
+            saved = jax.tree.map(jnp.copy, cache)  # the step donates `cache`
+            h2, lg, cache2 = self.forward(cache, [[x_next, draft]])
+            y0, y1 = (int(v) for v in jnp.argmax(lg[0], axis=-1))
+            drafted += 1
+            steps += 1
+            if y0 == draft:
+                accepted += 1
+                new = [draft, y1]
+                dl, cache = self._mtp(self.state, cache2, h2, np.asarray([[draft, y1]], np.int32))
+                x_next = y1
+            else:
+                new = [y0]
+                h1, _, cache = self.forward(saved, [[x_next]])
+                dl, cache = self._mtp(self.state, cache, h1, np.asarray([[y0]], np.int32))
+                x_next = y0
+            draft = int(jnp.argmax(dl[0, -1]))
+            for tok in new:
+                if len(out) < max_new and out[-1] not in eos:
+                    out.append(tok)
+        t2 = time.perf_counter()
+        return GenerationResult([out], t1 - t0, t2 - t1, steps, accepted=accepted, drafted=drafted)

@@ -1,0 +1,64 @@
+"""One GLM-5.3 decoder layer: mHC around an attention sublayer (KDA or DSA) and an FFN sublayer (dense or MoE)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from glm53.config import ModelConfig
+from glm53.layers import dsa as dsa_lib
+from glm53.layers import kda as kda_lib
+from glm53.layers.hyper_connections import HyperConnection
+from glm53.layers.mlp import MLP
+from glm53.layers.moe import MoE
+from glm53.layers.norm import RMSNorm
+
+
+class DecoderLayer(nnx.Module):
+    """Streams x [B, T, n, D] -> streams; the layer kinds come from cfg.layer_types / cfg.mlp_layer_types.
+
+    attention sublayer:  u, post, comb = attn_hc(x); y = self_attn(input_layernorm(u)); x = attn_hc.expand(x, y, ...)
+    ffn sublayer:        u, post, comb = ffn_hc(x);  y = mlp(post_attention_layernorm(u)); x = ffn_hc.expand(...)
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, *, rngs: nnx.Rngs, dtype=jnp.float32, kernels=None):
+        kernels = kernels or {}
+        self.layer_idx = layer_idx
+        self.attn_kind = cfg.layer_types[layer_idx]
+        self.mlp_kind = cfg.mlp_layer_types[layer_idx]
+        eps = cfg.rms_norm_eps
+        hc_impl = kernels.get("mhc", "reference")
+        self.attn_hc = HyperConnection(cfg, rngs=rngs, dtype=dtype, implementation=hc_impl)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, rngs=rngs, dtype=dtype)
+        if self.attn_kind == "kda":
+            self.self_attn = kda_lib.KDA(cfg, rngs=rngs, dtype=dtype, implementation=kernels.get("kda", "reference"))
+        else:
+            self.self_attn = dsa_lib.DSA(
+                cfg, rngs=rngs, dtype=dtype, layer_idx=layer_idx, implementation=kernels.get("sparse_mla", "reference")
+            )
+        self.ffn_hc = HyperConnection(cfg, rngs=rngs, dtype=dtype, implementation=hc_impl)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, rngs=rngs, dtype=dtype)
+        if self.mlp_kind == "dense":
+            self.mlp = MLP(cfg, rngs=rngs, dtype=dtype)
+        else:
+            self.mlp = MoE(cfg, rngs=rngs, dtype=dtype, implementation=kernels.get("moe", "reference"))
+
+    def init_cache(self, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32):
+        if self.attn_kind == "kda":
+            return kda_lib.init_cache(cfg, batch, max_len, dtype)
+        return dsa_lib.init_cache(cfg, batch, max_len, dtype, with_indexer=not self.self_attn.shared_indexer)
+
+    def __call__(self, x_btnd, *, cache=None, start_b=None, selection=None):
+        """Returns (new streams, new layer cache or None, indexer selection (DSA) or the one passed in)."""
+        u, post, comb = self.attn_hc(x_btnd)
+        h = self.input_layernorm(u)
+        if self.attn_kind == "kda":
+            y, cache = self.self_attn(h, cache=cache, start_b=start_b)
+        else:
+            y, cache, selection = self.self_attn(h, cache=cache, start_b=start_b, selection=selection)
+        x_btnd = self.attn_hc.expand(x_btnd, y, post, comb)
+
+        u, post, comb = self.ffn_hc(x_btnd)
+        y = self.mlp(self.post_attention_layernorm(u))
+        x_btnd = self.ffn_hc.expand(x_btnd, y, post, comb)
+        return x_btnd, cache, selection

@@ -1,0 +1,200 @@
+"""DSA layer: NoPE multi-head latent attention (MLA) restricted to the keys a KPool indexer selects.
+
+    q_res = RMSNorm(u W_qa)            q = q_res W_qb -> [H, nope]
+    c     = RMSNorm(u W_kva)           [kv_lora]   (the only attention tensor cached)
+    k_h = c W_uk[h], v_h = c W_uv[h]   (kv_b_proj split per head: first nope columns K, next v columns V)
+    out_h = softmax_{selected causal s}(q_h . k_h,s / sqrt(nope)) v_h,   y = concat_h(out_h) W_o
+
+Attention runs in the absorbed form by default (q_hat_h = W_uk[h] q_h, scores q_hat . c / sqrt(nope),
+c_hat = sum p c, out_h = c_hat W_uv[h]), via kernels/sparse_mla; decode (T == 1) always does. The expanded
+form can be chosen for prefill with ``attn_form="expanded"``.
+
+Call: ``y_btd, new_cache, pool_ids_btk = layer(x_btd, cache=cache, start_b=start_b, selection=None)``.
+``pool_ids_btk`` (int32 [B, T, K], -1 = empty) is the indexer's selection; a layer whose indexer type is
+"shared" has no indexer and must be given the previous full layer's selection as ``selection`` (it returns it
+unchanged). With ``cache=None`` the layer processes a fresh sequence (start 0) and returns ``None`` as cache.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from glm53 import dims
+from glm53.config import ModelConfig
+from glm53.layers.indexer import Indexer, write_at
+from glm53.layers.linear import Linear
+from glm53.layers.norm import RMSNorm
+from kernels.sparse_mla import api as sparse_mla_api
+
+ATTN_FORMS = ("absorbed", "expanded")
+
+
+@struct.dataclass
+class DSACache:
+    """Per-layer DSA decode state; S = max_len rounded up to a multiple of index_kpool.
+
+    latent [B, S, kv_lora] (normalized c), index_k [B, S, index_head_dim] (after k_norm),
+    index_gate [B, S, index_head_dim], pooled [B, S / kpool, index_head_dim]. A layer without its own indexer
+    ("shared") may hold zero-row index arrays (``init_cache(..., with_indexer=False)``).
+    """
+
+    latent: jnp.ndarray
+    index_k: jnp.ndarray
+    index_gate: jnp.ndarray
+    pooled: jnp.ndarray
+
+    @property
+    def max_len(self) -> int:
+        return self.latent.shape[1]
+
+
+def init_cache(
+    cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, *, with_indexer: bool = True
+) -> DSACache:
+    """An empty DSA cache for `batch` streams of up to `max_len` tokens (rounded up to a multiple of kpool)."""
+    if batch < 1 or max_len < 1:
+        raise ValueError(f"DSA init_cache: batch and max_len must be >= 1, got {batch}, {max_len}")
+    kp = cfg.index_kpool
+    s = -(-max_len // kp) * kp
+    si = s if with_indexer else 0
+    c = cfg.index_head_dim
+    return DSACache(
+        latent=jnp.zeros((batch, s, cfg.kv_lora_rank), dtype),
+        index_k=jnp.zeros((batch, si, c), dtype),
+        index_gate=jnp.zeros((batch, si, c), dtype),
+        pooled=jnp.zeros((batch, si // kp, c), dtype),
+    )
+
+
+def is_shared_indexer(cfg: ModelConfig, layer_idx: int | None) -> bool:
+    """True when trunk layer `layer_idx` reuses the previous full layer's selection (None: the MTP block)."""
+    return (
+        layer_idx is not None
+        and layer_idx < len(cfg.indexer_types)
+        and cfg.indexer_types[layer_idx] == "shared"
+    )
+
+
+class DSA(nnx.Module):
+    """NoPE MLA with the KPool sparse indexer (HF ``Glm5NextTextAttention``); weights are [in, out]."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        layer_idx: int | None = None,
+        attn_form: str = "absorbed",
+        implementation: str = "reference",
+    ):
+        if attn_form not in ATTN_FORMS:
+            raise ValueError(f"DSA: attn_form must be one of {ATTN_FORMS}, got {attn_form!r}")
+        d, h = cfg.hidden_size, cfg.num_attention_heads
+        self.cfg = cfg
+        self.layer_idx = layer_idx
+        self.attn_form = attn_form
+        self.implementation = implementation
+        self.num_heads, self.nope, self.v_dim = h, cfg.qk_nope_head_dim, cfg.v_head_dim
+        self.kv_lora = cfg.kv_lora_rank
+        eps = cfg.rms_norm_eps
+        self.q_a_proj = Linear(d, cfg.q_lora_rank, (dims.EMBED, dims.Q_LORA), rngs=rngs, dtype=dtype)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps, rngs=rngs, dtype=dtype)
+        self.q_b_proj = Linear(
+            cfg.q_lora_rank, h * self.nope, (dims.Q_LORA, dims.HEADS), rngs=rngs, dtype=dtype
+        )
+        self.kv_a_proj = Linear(d, self.kv_lora, (dims.EMBED, dims.KV_LORA), rngs=rngs, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora, eps, rngs=rngs, dtype=dtype)
+        self.kv_b_proj = Linear(
+            self.kv_lora, h * (self.nope + self.v_dim), (dims.KV_LORA, dims.HEADS), rngs=rngs, dtype=dtype
+        )
+        self.o_proj = Linear(h * self.v_dim, d, (dims.HEADS, dims.EMBED), rngs=rngs, dtype=dtype)
+        self.shared_indexer = is_shared_indexer(cfg, layer_idx)
+        self.indexer = None if self.shared_indexer else Indexer(cfg, rngs=rngs, dtype=dtype)
+
+    def _w_uk_uv(self, dtype) -> tuple[jnp.ndarray, jnp.ndarray]:
+        """kv_b_proj split per head: W_uk [R, H, nope], W_uv [R, H, v]."""
+        w = self.kv_b_proj.kernel[...].astype(dtype)
+        w = w.reshape(self.kv_lora, self.num_heads, self.nope + self.v_dim)
+        return w[..., : self.nope], w[..., self.nope :]
+
+    def __call__(
+        self,
+        x_btd: jnp.ndarray,
+        *,
+        cache: DSACache | None = None,
+        start_b: jnp.ndarray | None = None,
+        selection: jnp.ndarray | None = None,
+    ) -> tuple[jnp.ndarray, DSACache | None, jnp.ndarray]:
+        """Attends the T new tokens of each stream (positions start_b + t) over its cached and new keys.
+
+        Args:
+          x_btd: layer input u [B, T, D]; cache: this layer's DSACache or None (fresh sequence, start 0);
+          start_b: int32 [B] tokens already in each stream's cache (default 0);
+          selection: pool ids [B, T, K] from the previous full layer (required iff this layer is "shared").
+        Returns:
+          y_btd [B, T, D], the updated cache (None when cache was None), the selection pool ids [B, T, K].
+        """
+        b, t, _ = x_btd.shape
+        fresh = cache is None
+        if fresh:
+            cache = init_cache(self.cfg, b, t, x_btd.dtype, with_indexer=not self.shared_indexer)
+        if start_b is None:
+            start_b = jnp.zeros((b,), jnp.int32)
+        start_b = jnp.asarray(start_b, jnp.int32)
+        if start_b.shape != (b,):
+            raise ValueError(
+                f"DSA layer {self.layer_idx}: start_b must be int32 [B={b}], got shape {start_b.shape}"
+            )
+        if cache.latent.shape[0] != b:
+            raise ValueError(
+                f"DSA layer {self.layer_idx}: cache batch {cache.latent.shape[0]} != input batch {b}"
+            )
+        if t > cache.max_len:
+            raise ValueError(
+                f"DSA layer {self.layer_idx}: {t} new tokens exceed the cache length {cache.max_len}"
+            )
+
+        q_res = self.q_a_layernorm(self.q_a_proj(x_btd))  # [B, T, q_lora]
+        q_bthc = self.q_b_proj(q_res).reshape(b, t, self.num_heads, self.nope)
+        c_btr = self.kv_a_layernorm(self.kv_a_proj(x_btd))
+        latent = write_at(cache.latent, c_btr, start_b)  # [B, S, R]
+
+        if self.shared_indexer:
+            if selection is None:
+                raise ValueError(
+                    f"DSA layer {self.layer_idx}: indexer_types says 'shared'; pass the previous full layer's "
+                    "selection as `selection=`"
+                )
+            if selection.ndim != 3 or selection.shape[:2] != (b, t):
+                raise ValueError(
+                    f"DSA layer {self.layer_idx}: selection must be pool ids [B={b}, T={t}, K], "
+                    f"got shape {selection.shape}"
+                )
+            pool_ids, index_state = selection, (cache.index_k, cache.index_gate, cache.pooled)
+        else:
+            pool_ids, index_state = self.indexer(
+                x_btd, q_res, cache.index_k, cache.index_gate, cache.pooled, start_b
+            )
+        new_cache = DSACache(latent, *index_state)
+
+        q_pos_bt = start_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        kw = dict(
+            kpool=self.cfg.index_kpool,
+            select_tail=self.cfg.index_kpool_always_select_tail,
+            scale=self.nope**-0.5,  # qk_head_dim^-0.5, also in the absorbed form
+            implementation=self.implementation,
+        )
+        w_uk, w_uv = self._w_uk_uv(x_btd.dtype)
+        lat_bsr = latent.astype(x_btd.dtype)
+        if self.attn_form == "absorbed" or t == 1:
+            q_hat = jnp.einsum("bthc,rhc->bthr", q_bthc, w_uk)  # [B, T, H, R]
+            c_hat = sparse_mla_api.sparse_mla(q_hat, lat_bsr, pool_ids, q_pos_bt, **kw)  # [B, T, H, R]
+            o_bthe = jnp.einsum("bthr,rhe->bthe", c_hat, w_uv)
+        else:
+            k_bshc = jnp.einsum("bsr,rhc->bshc", lat_bsr, w_uk)
+            v_bshe = jnp.einsum("bsr,rhe->bshe", lat_bsr, w_uv)
+            o_bthe = sparse_mla_api.sparse_mha(q_bthc, k_bshc, v_bshe, pool_ids, q_pos_bt, **kw)
+        y = self.o_proj(o_bthe.reshape(b, t, self.num_heads * self.v_dim))
+        return y, (None if fresh else new_cache), pool_ids

@@ -1,0 +1,113 @@
+"""Mixture of experts: sigmoid top-k router with selection bias (noaux_tc), routed experts, shared expert."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glm53 import dims
+from glm53.config import ModelConfig
+from glm53.layers.mlp import MLP
+from glm53.layers.param import param
+from kernels.moe import api as moe_api
+
+
+class Router(nnx.Module):
+    """Top-k sigmoid router. kernel [D, E] and e_score_correction_bias [E] are kept in f32.
+
+    scores = sigmoid(x @ kernel) in f32; experts are chosen by scores + bias (the bias only steers selection),
+    restricted to the best `topk_group` of `n_group` expert groups (a group scores the sum of its top-2 biased
+    scores); weights = scores[chosen] (/ (sum + 1e-20) if norm_topk_prob) * routed_scaling_factor, f32.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        del dtype  # the router is always f32
+        self.top_k = cfg.num_experts_per_tok
+        self.n_experts = cfg.n_routed_experts
+        self.n_group = cfg.n_group
+        self.topk_group = cfg.topk_group
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        self.kernel = param(rngs, (cfg.hidden_size, self.n_experts), (dims.EMBED, dims.EXPERT), jnp.float32)
+        self.e_score_correction_bias = param(
+            rngs, (self.n_experts,), (dims.EXPERT,), jnp.float32, init="zeros"
+        )
+
+    def __call__(self, x_td: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+        """x [..., D] -> (topk_ids [..., K] int32, topk_weights [..., K] f32), ids sorted by biased score."""
+        logits = jnp.matmul(
+            x_td.astype(jnp.float32),
+            self.kernel[...].astype(jnp.float32),
+            precision=jax.lax.Precision.HIGHEST,
+        )
+        scores = jax.nn.sigmoid(logits)  # [..., E]
+        choice = scores + self.e_score_correction_bias[...].astype(jnp.float32)
+        if self.topk_group < self.n_group:  # group-limited routing (a no-op when every group is kept)
+            g = self.n_group
+            grouped = choice.reshape(*choice.shape[:-1], g, self.n_experts // g)  # [..., G, E/G]
+            top2 = jax.lax.top_k(grouped, min(2, self.n_experts // g))[0]
+            _, keep = jax.lax.top_k(jnp.sum(top2, axis=-1), self.topk_group)  # [..., topk_group]
+            group_mask = jnp.sum(jax.nn.one_hot(keep, g, dtype=jnp.bool_), axis=-2, dtype=jnp.int32) > 0
+            expert_mask = jnp.repeat(group_mask, self.n_experts // g, axis=-1)  # [..., E]
+            choice = jnp.where(expert_mask, choice, -jnp.inf)
+        _, ids = jax.lax.top_k(choice, self.top_k)  # [..., K]
+        w = jnp.take_along_axis(scores, ids, axis=-1)
+        if self.norm_topk_prob:
+            w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+        return ids.astype(jnp.int32), w * self.routed_scaling_factor
+
+
+class Experts(nnx.Module):
+    """Routed experts: gate_proj, up_proj [E, D, F]; down_proj [E, F, D] (per-expert kernels [in, out])."""
+
+    def __init__(
+        self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, implementation: str = "reference"
+    ):
+        e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.swiglu_limit = cfg.swiglu_limit
+        self.implementation = implementation
+        self.gate_proj = param(rngs, (e, d, f), (dims.EXPERT, dims.EMBED, dims.EXPERT_MLP), dtype)
+        self.up_proj = param(rngs, (e, d, f), (dims.EXPERT, dims.EMBED, dims.EXPERT_MLP), dtype)
+        self.down_proj = param(rngs, (e, f, d), (dims.EXPERT, dims.EXPERT_MLP, dims.EMBED), dtype)
+
+    def __call__(self, x_td: jnp.ndarray, topk_ids_tk: jnp.ndarray, topk_w_tk: jnp.ndarray) -> jnp.ndarray:
+        """x [T, D] with routing [T, K] -> weighted sum of the chosen experts' outputs [T, D] in x's dtype."""
+        return moe_api.moe_experts(
+            x_td,
+            topk_ids_tk,
+            topk_w_tk,
+            self.gate_proj[...],
+            self.up_proj[...],
+            self.down_proj[...],
+            self.swiglu_limit,
+            implementation=self.implementation,
+        )
+
+
+class MoE(nnx.Module):
+    """y = sum_k w_k Expert_{id_k}(x) + SharedExpert(x) (no gate on the shared expert; none if n_shared_experts=0)."""
+
+    def __init__(
+        self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, implementation: str = "reference"
+    ):
+        self.router = Router(cfg, rngs=rngs)
+        self.experts = Experts(cfg, rngs=rngs, dtype=dtype, implementation=implementation)
+        width = cfg.moe_intermediate_size * cfg.n_shared_experts
+        self.shared_experts = (
+            MLP(cfg, width, rngs=rngs, dtype=dtype, mlp_axis=dims.EXPERT_MLP) if width else None
+        )
+
+    def __call__(self, x_btd: jnp.ndarray, *, return_routing: bool = False):
+        """x [..., D] -> y [..., D] in x's dtype; with return_routing also (ids [..., K] int32, weights [..., K])."""
+        lead, d = x_btd.shape[:-1], x_btd.shape[-1]
+        x_td = x_btd.reshape(-1, d)
+        ids, w = self.router(x_td)
+        y = self.experts(x_td, ids, w)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x_td)
+        y = y.reshape(*lead, d)
+        if return_routing:
+            k = ids.shape[-1]
+            return y, (ids.reshape(*lead, k), w.reshape(*lead, k))
+        return y

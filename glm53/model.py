@@ -1,0 +1,134 @@
+"""The GLM-5.3-Flash text model: embedding copied into the mHC streams, the hybrid decoder stack, the stream mean,
+the final norm and an untied lm_head; plus the MTP block (layer 45) used as a speculative drafter.
+
+    e = Embed[ids]                  [B, T, D]
+    x = broadcast e to n streams    [B, T, n, D]
+    x = DecoderLayer_l(x) for l in layers (KDA / DSA attention, dense / MoE FFN, per cfg.layer_types)
+    h = RMSNorm(mean over streams of x)
+    logits = h @ lm_head            [B, T, V] (f32)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from glm53 import dims
+from glm53.config import ModelConfig
+from glm53.layers.block import DecoderLayer
+from glm53.layers.linear import Linear
+from glm53.layers.mtp import MTPBlock
+from glm53.layers.norm import RMSNorm
+from glm53.layers.param import param
+
+
+@struct.dataclass
+class Cache:
+    """Decode state of B streams: `length` [B] tokens already processed per stream, one cache per trunk layer
+    (KDACache / DSACache), and the MTP block's DSA cache (or None)."""
+
+    length: jnp.ndarray
+    layers: tuple[Any, ...]
+    mtp: Any = None
+
+    @property
+    def batch(self) -> int:
+        return self.length.shape[0]
+
+
+class Embed(nnx.Module):
+    def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.embedding = param(rngs, (vocab, dim), (dims.VOCAB, dims.EMBED), dtype, std=0.02)
+
+    def __call__(self, ids: jnp.ndarray) -> jnp.ndarray:
+        return jnp.take(self.embedding[...], ids, axis=0)
+
+
+class Glm53Model(nnx.Module):
+    """GLM-5.3-Flash text model (`Glm5NextForConditionalGeneration`'s language part + the MTP block).
+
+    Args:
+      cfg: the model config.
+      dtype: parameter (and compute) dtype.
+      kernels: implementation per kernel op, e.g. {"kda": "reference", "moe": "reference"}.
+      with_mtp: build the MTP block when cfg.num_nextn_predict_layers > 0.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        kernels: dict[str, str] | None = None,
+        with_mtp: bool = True,
+    ):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs, dtype=dtype)
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, kernels=kernels) for i in range(cfg.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs, dtype=dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, (dims.EMBED, dims.VOCAB), rngs=rngs, dtype=dtype)
+        mtp = None
+        if with_mtp and cfg.num_nextn_predict_layers > 0:
+            mtp = MTPBlock(cfg, rngs=rngs, dtype=dtype, kernels=kernels)
+        self.mtp = nnx.data(mtp)
+
+    # ------------------------------------------------------------------------------------------------ caches
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
+        """An empty cache for `batch` streams of up to `max_len` tokens each."""
+        dtype = dtype or self.dtype
+        layers = tuple(layer.init_cache(self.cfg, batch, max_len, dtype) for layer in self.layers)
+        mtp = None if self.mtp is None else self.mtp.init_cache(batch, max_len, dtype)
+        return Cache(length=jnp.zeros((batch,), jnp.int32), layers=layers, mtp=mtp)
+
+    # ------------------------------------------------------------------------------------------------ forward
+    def hidden(self, tokens_bt: jnp.ndarray, *, cache: Cache | None = None):
+        """Final-normed hidden states h [B, T, D] and the updated cache (None when `cache` is None).
+
+        Token t of stream b sits at absolute position cache.length[b] + t.
+        """
+        b, t = tokens_bt.shape
+        start_b = jnp.zeros((b,), jnp.int32) if cache is None else cache.length
+        e = self.embed(tokens_bt)
+        x = jnp.broadcast_to(e[:, :, None, :], (b, t, self.cfg.hc_mult, e.shape[-1]))
+        selection = None
+        new_layers = []
+        for i, layer in enumerate(self.layers):
+            layer_cache = None if cache is None else cache.layers[i]
+            x, layer_cache, selection = layer(x, cache=layer_cache, start_b=start_b, selection=selection)
+            new_layers.append(layer_cache)
+        h = self.norm(jnp.mean(x, axis=2))
+        if cache is None:
+            return h, None
+        return h, cache.replace(length=cache.length + t, layers=tuple(new_layers))
+
+    def logits(self, h_btd: jnp.ndarray) -> jnp.ndarray:
+        return self.lm_head(h_btd).astype(jnp.float32)
+
+    def __call__(self, tokens_bt: jnp.ndarray, *, cache: Cache | None = None):
+        """Logits [B, T, V] (f32) of the next token at every position, and the updated cache."""
+        h, cache = self.hidden(tokens_bt, cache=cache)
+        return self.logits(h), cache
+
+    def mtp_logits(self, h_btd: jnp.ndarray, next_tokens_bt: jnp.ndarray, *, cache: Cache):
+        """MTP draft: logits for the token after `next_tokens` from the trunk's hidden states `h` at the same
+        positions (h at position p, next_tokens = token p+1 -> logits for token p+2). Uses and updates
+        cache.mtp at positions cache.length - T .. cache.length - 1 (call after the trunk consumed those positions).
+        """
+        if self.mtp is None:
+            raise ValueError("this model was built without the MTP block")
+        t = h_btd.shape[1]
+        start_b = cache.length - t
+        e = self.embed(next_tokens_bt)
+        x, mtp_cache = self.mtp(h_btd, e, cache=cache.mtp, start_b=start_b)
+        return self.logits(x), cache.replace(mtp=mtp_cache)
+
+
+def count_params(model: nnx.Module) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -1,0 +1,65 @@
+"""Int8 per-output-channel weight storage for large dense matrices.
+
+`Int8Weight` is a pytree leaf-pair (int8 values + f32 scale per output channel) that can stand in for the value
+of a Linear ``kernel`` Param: ``kernel[...]`` returns the dequantized matrix, so code that reads the kernel
+directly keeps working, and `Linear` multiplies by the int8 values and rescales the product instead.
+
+    w[..., i, o] ~= values[..., i, o] * scale[..., o]        values in [-127, 127]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int8Weight:
+    """Symmetric int8 matrix [..., in, out] with one f32 scale per output column [..., out]."""
+
+    values: jax.Array  # int8 [..., in, out]
+    scale: jax.Array  # f32 [..., out]
+    dtype: np.dtype = dataclasses.field(default=np.dtype(np.float32), metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.values.shape)
+
+    def dequantize(self, dtype=None) -> jax.Array:
+        """values * scale in f32, cast to `dtype` (default: the dtype the weight was quantized from)."""
+        w = self.values.astype(jnp.float32) * self.scale.astype(jnp.float32)[..., None, :]
+        return w.astype(self.dtype if dtype is None else dtype)
+
+    def __getitem__(self, idx) -> jax.Array:
+        return self.dequantize()[idx]
+
+    def astype(self, dtype) -> jax.Array:
+        return self.dequantize(dtype)
+
+    def matmul(self, x: jax.Array, *, precision=None) -> jax.Array:
+        """x @ w for x [..., in]: the product with the int8 values (in x.dtype) times the column scales."""
+        y = jnp.matmul(x, self.values.astype(x.dtype), precision=precision)
+        return y * self.scale.astype(x.dtype)
+
+
+def quantize_int8(w: np.ndarray, dtype=None) -> Int8Weight:
+    """Host-side symmetric per-output-channel quantization of w [..., in, out] (numpy, any float dtype).
+
+    scale[o] = max_i |w[i, o]| / 127 (1 for an all-zero column); values = round(w / scale) in [-127, 127].
+    `dtype` records the dtype `dequantize()` returns by default (default: w's dtype).
+    """
+    w32 = np.asarray(w, dtype=np.float32)
+    if w32.ndim < 2:
+        raise ValueError(f"quantize_int8: need a matrix [..., in, out], got shape {w32.shape}")
+    amax = np.max(np.abs(w32), axis=-2)  # [..., out]
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    values = np.clip(np.rint(w32 / scale[..., None, :]), -127, 127).astype(np.int8)
+    return Int8Weight(values, scale, np.dtype(w.dtype if dtype is None else dtype))

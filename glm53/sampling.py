@@ -1,0 +1,83 @@
+"""Next-token sampling: greedy, temperature, top-k and (exact) top-p, batched over streams and jit-able.
+
+Per stream b (all parameters may be scalars or arrays [B]):
+  * temperature[b] <= 0: greedy, argmax of the raw logits (first index on ties);
+  * otherwise logits / temperature, then top-k, then top-p (the order of transformers' logits warpers):
+      - top-k (k > 0): keep the tokens whose scaled logit is >= the k-th largest (ties at the boundary kept);
+      - top-p (p < 1): sort the top-k survivors by probability (descending) and keep a token while the mass of
+        the tokens before it is < p (the smallest prefix with mass >= p; the most likely token is always kept);
+    and draw from the renormalized distribution with the stream's own key.
+k <= 0 disables top-k; p >= 1 disables top-p. `filtered_logprobs` exposes the exact distribution sampled from.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _per_stream(x, b: int, dtype) -> jax.Array:
+    return jnp.broadcast_to(jnp.asarray(x, dtype), (b,))
+
+
+def filtered_logits(logits_bv: jax.Array, temperature=1.0, top_p=1.0, top_k=0) -> jax.Array:
+    """Temperature-scaled logits [B, V] (f32) with -inf at every token removed by top-k / top-p.
+
+    Greedy streams (temperature <= 0) keep only their argmax (value 0).
+    """
+    b, v = logits_bv.shape
+    x = logits_bv.astype(jnp.float32)
+    t = _per_stream(temperature, b, jnp.float32)
+    p = _per_stream(top_p, b, jnp.float32)
+    k = _per_stream(top_k, b, jnp.int32)
+    greedy = t <= 0
+    x = x / jnp.where(greedy, 1.0, t)[:, None]
+
+    order_bv = jnp.argsort(-x, axis=-1, stable=True)  # descending, ties by index
+    sorted_bv = jnp.take_along_axis(x, order_bv, axis=-1)
+    kth = jnp.take_along_axis(sorted_bv, jnp.clip(k - 1, 0, v - 1)[:, None], axis=-1)  # [B, 1]
+    in_top_k = jnp.where((k > 0)[:, None], sorted_bv >= kth, True)  # a prefix of the sorted order
+    sorted_bv = jnp.where(in_top_k, sorted_bv, -jnp.inf)
+
+    probs_bv = jax.nn.softmax(sorted_bv, axis=-1)
+    mass_before = jnp.cumsum(probs_bv, axis=-1) - probs_bv
+    keep_sorted = (mass_before < p[:, None]) | (p >= 1.0)[:, None]
+    keep_sorted = keep_sorted.at[:, 0].set(True) & in_top_k
+    rows = jnp.arange(b)[:, None]
+    keep_bv = jnp.zeros((b, v), bool).at[rows, order_bv].set(keep_sorted)
+
+    first = jax.nn.one_hot(jnp.argmax(logits_bv, axis=-1), v, dtype=bool)
+    keep_bv = jnp.where(greedy[:, None], first, keep_bv)
+    x = jnp.where(greedy[:, None], 0.0, x)
+    return jnp.where(keep_bv, x, -jnp.inf)
+
+
+def filtered_logprobs(logits_bv: jax.Array, temperature=1.0, top_p=1.0, top_k=0) -> jax.Array:
+    """Log-probabilities [B, V] of the distribution `sample` draws from (-inf for removed tokens)."""
+    return jax.nn.log_softmax(filtered_logits(logits_bv, temperature, top_p, top_k), axis=-1)
+
+
+def stream_keys(key: jax.Array, b: int) -> jax.Array:
+    """A key per stream: `key` is one key (split into b) or already a batch of b keys."""
+    key = jnp.asarray(key)
+    typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    single = key.ndim == (0 if typed else 1)
+    if single:
+        return jax.random.split(key, b)
+    if key.shape[0] != b:
+        raise ValueError(f"sample: {key.shape[0]} keys for {b} streams")
+    return key
+
+
+def sample(logits_bv: jax.Array, key: jax.Array, temperature=1.0, top_p=1.0, top_k=0) -> jax.Array:
+    """Token ids [B] (int32) drawn from `filtered_logprobs`; greedy where temperature <= 0.
+
+    key: one PRNG key, or one key per stream ([B] typed keys / [B, 2] raw keys): a stream's draw then depends
+    only on its own key and logits, not on the rest of the batch.
+    """
+    b = logits_bv.shape[0]
+    keys = stream_keys(key, b)
+    x = filtered_logits(logits_bv, temperature, top_p, top_k)
+    drawn = jax.vmap(lambda kk, row: jax.random.categorical(kk, row))(keys, x)
+    greedy = _per_stream(temperature, b, jnp.float32) <= 0
+    return jnp.where(greedy, jnp.argmax(logits_bv, axis=-1), drawn).astype(jnp.int32)

@@ -1,0 +1,94 @@
+"""KDA op api: `chunk_kda` (prefill) and `recurrent_kda` (decode), dispatched by `implementation=`.
+
+Inputs (all backends): q, k [B, T, H, dk] already L2-normalised; v [B, T, H, dv]; g [B, T, H, dk]
+log-decay per key channel (<= 0); beta [B, T, H]; `scale` multiplies q inside the op; initial_state
+[B, H, dk, dv] (None = zeros). Both return (o [B, T, H, dv] in v.dtype, final_state [B, H, dk, dv] float32).
+Any T >= 1.
+A backend that cannot handle a shape raises NotImplementedError and the call falls back to "reference".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax.numpy as jnp
+
+from kernels.kda import reference
+
+# name -> (chunk_fn, recurrent_fn)
+IMPLEMENTATIONS: dict[str, tuple[Callable, Callable]] = {
+    "reference": (reference.chunk_kda, reference.recurrent_kda),
+}
+
+
+def _lookup(implementation: str, which: int) -> Callable:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"kernels.kda: unknown implementation {implementation!r}; choose one of {sorted(IMPLEMENTATIONS)}"
+        )
+    return IMPLEMENTATIONS[implementation][which]
+
+
+def _check(op: str, q, k, v, g, beta, initial_state) -> None:
+    if q.ndim != 4:
+        raise ValueError(f"{op}: q must be [B, T, H, dk], got shape {q.shape}")
+    B, T, H, dk = q.shape
+    if T < 1:
+        raise ValueError(f"{op}: q has T = {T}; need at least one token")
+    if k.shape != q.shape:
+        raise ValueError(f"{op}: k shape {k.shape} != q shape {q.shape}")
+    if g.shape != q.shape:
+        raise ValueError(f"{op}: g (log-decay per key channel) shape {g.shape} != q shape {q.shape}")
+    if v.ndim != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"{op}: v must be [B={B}, T={T}, H={H}, dv], got shape {v.shape}")
+    if beta.shape != (B, T, H):
+        raise ValueError(f"{op}: beta must be [B={B}, T={T}, H={H}], got shape {beta.shape}")
+    want = (B, H, dk, v.shape[-1])
+    if initial_state is not None and initial_state.shape != want:
+        got = initial_state.shape
+        raise ValueError(f"{op}: initial_state must be {list(want)} = [B, H, dk, dv], got {got}")
+
+
+def chunk_kda(
+    q: jnp.ndarray,
+    k: jnp.ndarray,
+    v: jnp.ndarray,
+    g: jnp.ndarray,
+    beta: jnp.ndarray,
+    *,
+    scale: float,
+    initial_state: jnp.ndarray | None = None,
+    chunk_size: int = 64,
+    implementation: str = "reference",
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Chunked (WY-form) KDA over a sequence; returns (o, final_state). Shapes: see the module docstring."""
+    _check("chunk_kda", q, k, v, g, beta, initial_state)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_kda: chunk_size must be positive, got {chunk_size}")
+    fn = _lookup(implementation, 0)
+    kw = dict(scale=scale, initial_state=initial_state, chunk_size=chunk_size)
+    try:
+        return fn(q, k, v, g, beta, **kw)
+    except NotImplementedError:
+        return reference.chunk_kda(q, k, v, g, beta, **kw)
+
+
+def recurrent_kda(
+    q: jnp.ndarray,
+    k: jnp.ndarray,
+    v: jnp.ndarray,
+    g: jnp.ndarray,
+    beta: jnp.ndarray,
+    *,
+    scale: float,
+    initial_state: jnp.ndarray | None = None,
+    implementation: str = "reference",
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Token-by-token KDA (decode); returns (o, final_state). See the module docstring for shapes."""
+    _check("recurrent_kda", q, k, v, g, beta, initial_state)
+    fn = _lookup(implementation, 1)
+    kw = dict(scale=scale, initial_state=initial_state)
+    try:
+        return fn(q, k, v, g, beta, **kw)
+    except NotImplementedError:
+        return reference.recurrent_kda(q, k, v, g, beta, **kw)

@@ -1,0 +1,89 @@
+"""Pure-jnp routed-expert references: a sorted grouped-matmul path and a dense all-experts oracle.
+
+Weight arguments: plain arrays w_gate / w_up [E, D, F] and w_down [E, F, D] (kernels stored [in, out] per expert).
+Every contraction with an expert weight goes through exactly one of two functions, `grouped_matmul` (sorted path)
+and `expert_einsum` (dense path); the routing / sort / combine code only reads ``w.shape``. A quantized-weight
+pytree that exposes the logical ``.shape`` can therefore be passed through the api unchanged once these two
+functions dispatch on its type (the next issue); nothing else here needs to change.
+
+Slot ids must lie in [0, E]; an id equal to E marks an empty slot that contributes zero (useful for capacity
+dropping or expert-parallel shards). Activations stay in x's dtype between matmuls; matmuls accumulate in f32;
+routing weights are applied and slots summed in f32, the result is cast to x's dtype once.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def clamped_swiglu(a: jnp.ndarray, b: jnp.ndarray, limit: float) -> jnp.ndarray:
+    """silu(min(a, limit)) * clip(b, -limit, limit) -- GLM-5.3's clamped SwiGLU (gate a, up b)."""
+    return jax.nn.silu(jnp.minimum(a, limit)) * jnp.clip(b, -limit, limit)
+
+
+def grouped_matmul(x_md: jnp.ndarray, w_ekn: jnp.ndarray, group_sizes_e: jnp.ndarray) -> jnp.ndarray:
+    """Rows of x_md [M, K] sorted by expert times their expert's w_ekn [E, K, N]; f32 [M, N].
+
+    group_sizes_e [E] int32: rows per expert, in order; rows past sum(group_sizes) come out zero.
+    """
+    return jax.lax.ragged_dot(
+        x_md, w_ekn.astype(x_md.dtype), group_sizes_e, precision=_HIGHEST, preferred_element_type=jnp.float32
+    )
+
+
+def expert_einsum(spec: str, x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
+    """einsum(spec, x, w) against an expert weight w [E, ...], f32 result (dense oracle path)."""
+    return jnp.einsum(spec, x, w.astype(x.dtype), precision=_HIGHEST, preferred_element_type=jnp.float32)
+
+
+def moe_experts(
+    x_td: jnp.ndarray,
+    topk_ids_tk: jnp.ndarray,
+    topk_w_tk: jnp.ndarray,
+    w_gate: jnp.ndarray,
+    w_up: jnp.ndarray,
+    w_down: jnp.ndarray,
+    swiglu_limit: float,
+) -> jnp.ndarray:
+    """sum_k w[t,k] * Expert_{ids[t,k]}(x[t]) via sort-by-expert + ragged_dot; [T, D] in x's dtype."""
+    t, k = topk_ids_tk.shape
+    e = w_gate.shape[0]
+    ids = topk_ids_tk.reshape(t * k).astype(jnp.int32)  # slot s = token * k + j
+    order = jnp.argsort(ids, stable=True)  # [T*K] slots sorted by expert
+    tok = (order // k).astype(jnp.int32)  # token of each sorted slot
+    group_sizes = jnp.bincount(ids, length=e).astype(jnp.int32)  # id == E is not counted
+    xs = x_td[tok]  # [T*K, D]
+    g = grouped_matmul(xs, w_gate, group_sizes)  # [T*K, F] f32
+    u = grouped_matmul(xs, w_up, group_sizes)
+    h = clamped_swiglu(g, u, swiglu_limit).astype(x_td.dtype)
+    o = grouped_matmul(h, w_down, group_sizes)  # [T*K, D] f32
+    w_sorted = topk_w_tk.reshape(t * k).astype(jnp.float32)[order]
+    w_sorted = jnp.where(ids[order] < e, w_sorted, 0.0)
+    y = jax.ops.segment_sum(o * w_sorted[:, None], tok, num_segments=t)  # [T, D] f32
+    return y.astype(x_td.dtype)
+
+
+def moe_experts_dense(
+    x_td: jnp.ndarray,
+    topk_ids_tk: jnp.ndarray,
+    topk_w_tk: jnp.ndarray,
+    w_gate: jnp.ndarray,
+    w_up: jnp.ndarray,
+    w_down: jnp.ndarray,
+    swiglu_limit: float,
+) -> jnp.ndarray:
+    """Same result as `moe_experts` by running every expert on every token (O(E*T) work: tiny sizes only)."""
+    e = w_gate.shape[0]
+    g = expert_einsum("td,edf->etf", x_td, w_gate)  # [E, T, F] f32
+    u = expert_einsum("td,edf->etf", x_td, w_up)
+    h = clamped_swiglu(g, u, swiglu_limit).astype(x_td.dtype)
+    o = expert_einsum("etf,efd->etd", h, w_down)  # [E, T, D] f32
+    # combine[t, e] = sum_k w[t, k] * [ids[t, k] == e]; one_hot of id E is all zeros.
+    combine = jnp.einsum(
+        "tke,tk->te", jax.nn.one_hot(topk_ids_tk, e, dtype=jnp.float32), topk_w_tk.astype(jnp.float32)
+    )
+    y = jnp.einsum("te,etd->td", combine, o, precision=_HIGHEST)
+    return y.astype(x_td.dtype)

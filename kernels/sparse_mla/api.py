@@ -1,0 +1,100 @@
+"""Sparse MLA kernel api: attention restricted to the keys a KPool indexer selected.
+
+  * `sparse_mla`  -- absorbed (latent) form, the decode path: queries already multiplied by W_uk
+                     ([B, T, H, kv_lora]) attend over the latent cache ([B, S, kv_lora]) used as key AND value;
+                     the output [B, T, H, kv_lora] is then multiplied by W_uv by the caller.
+  * `sparse_mha`  -- expanded form (per-head k = c W_uk, v = c W_uv), optional for prefill.
+  * `selection_mask` -- the boolean [B, T, S] visibility mask of a selection (for tests and mask-based backends).
+
+A selection is index-shaped so block-sparse backends can gather whole pools: ``pool_ids_btk`` int32
+[B, T, K] (selected pool p covers keys kpool*p .. kpool*p + kpool-1; -1 = empty slot; order irrelevant) plus
+``q_pos_bt`` int32 [B, T], the absolute position of each query, from which causality and the always-visible
+tail {kpool*floor((q+1)/kpool) .. q} follow. Every implementation accumulates in f32 and returns q's dtype.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from kernels.sparse_mla import reference
+
+_MLA = {"reference": reference.sparse_mla}
+_MHA = {"reference": reference.sparse_mha}
+
+selection_mask = reference.selection_mask
+
+
+def _pick(table: dict, implementation: str, op: str):
+    try:
+        return table[implementation]
+    except KeyError:
+        raise ValueError(f"{op}: unknown implementation {implementation!r}; valid: {sorted(table)}") from None
+
+
+def _check_selection(op: str, b: int, t: int, pool_ids_btk: jnp.ndarray, q_pos_bt: jnp.ndarray, kpool: int):
+    if pool_ids_btk.ndim != 3 or pool_ids_btk.shape[:2] != (b, t):
+        raise ValueError(f"{op}: pool_ids_btk must be [B={b}, T={t}, K], got shape {pool_ids_btk.shape}")
+    if q_pos_bt.shape != (b, t):
+        raise ValueError(f"{op}: q_pos_bt must be [B={b}, T={t}], got shape {q_pos_bt.shape}")
+    if not jnp.issubdtype(pool_ids_btk.dtype, jnp.integer) or not jnp.issubdtype(q_pos_bt.dtype, jnp.integer):
+        raise ValueError(
+            f"{op}: pool_ids_btk / q_pos_bt must be integer, got {pool_ids_btk.dtype} / {q_pos_bt.dtype}"
+        )
+    if kpool < 1:
+        raise ValueError(f"{op}: kpool must be >= 1, got {kpool}")
+
+
+def sparse_mla(
+    q_bthr: jnp.ndarray,
+    latent_bsr: jnp.ndarray,
+    pool_ids_btk: jnp.ndarray,
+    q_pos_bt: jnp.ndarray,
+    *,
+    kpool: int,
+    scale: float,
+    select_tail: bool = True,
+    implementation: str = "reference",
+) -> jnp.ndarray:
+    """Absorbed sparse MLA: c_hat [B, T, H, R] = sum over selected keys s of softmax(scale * q_hat.c_s) c_s.
+
+    Args:
+      q_bthr: absorbed queries (W_uk^T q per head) [B, T, H, R=kv_lora].
+      latent_bsr: normalized latent cache [B, S, R]; positions beyond a query's position are never read.
+      pool_ids_btk, q_pos_bt, kpool, select_tail: the selection (module docstring).
+      scale: softmax scale (1/sqrt(qk_nope_head_dim) for GLM-5.3, not 1/sqrt(R)).
+    """
+    if q_bthr.ndim != 4 or latent_bsr.ndim != 3:
+        raise ValueError(
+            f"sparse_mla: need q [B,T,H,R] and latent [B,S,R], got {q_bthr.shape} / {latent_bsr.shape}"
+        )
+    b, t, _, r = q_bthr.shape
+    if latent_bsr.shape[0] != b or latent_bsr.shape[2] != r:
+        raise ValueError(f"sparse_mla: latent {latent_bsr.shape} does not match queries {q_bthr.shape}")
+    _check_selection("sparse_mla", b, t, pool_ids_btk, q_pos_bt, kpool)
+    fn = _pick(_MLA, implementation, "sparse_mla")
+    return fn(q_bthr, latent_bsr, pool_ids_btk, q_pos_bt, kpool=kpool, scale=scale, select_tail=select_tail)
+
+
+def sparse_mha(
+    q_bthc: jnp.ndarray,
+    k_bshc: jnp.ndarray,
+    v_bshe: jnp.ndarray,
+    pool_ids_btk: jnp.ndarray,
+    q_pos_bt: jnp.ndarray,
+    *,
+    kpool: int,
+    scale: float,
+    select_tail: bool = True,
+    implementation: str = "reference",
+) -> jnp.ndarray:
+    """Expanded sparse MLA: o [B, T, H, E] with per-head keys k [B, S, H, C] and values v [B, S, H, E]."""
+    if q_bthc.ndim != 4 or k_bshc.ndim != 4 or v_bshe.ndim != 4:
+        raise ValueError(f"sparse_mha: need 4-d q/k/v, got {q_bthc.shape} / {k_bshc.shape} / {v_bshe.shape}")
+    b, t, h, c = q_bthc.shape
+    if k_bshc.shape[0] != b or k_bshc.shape[2:] != (h, c) or v_bshe.shape[:3] != k_bshc.shape[:3]:
+        raise ValueError(f"sparse_mha: q {q_bthc.shape}, k {k_bshc.shape}, v {v_bshe.shape} do not match")
+    _check_selection("sparse_mha", b, t, pool_ids_btk, q_pos_bt, kpool)
+    fn = _pick(_MHA, implementation, "sparse_mha")
+    return fn(
+        q_bthc, k_bshc, v_bshe, pool_ids_btk, q_pos_bt, kpool=kpool, scale=scale, select_tail=select_tail
+    )

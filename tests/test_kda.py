@@ -1,0 +1,338 @@
+"""KDA: kernels vs fla-core's naive torch KDA, the layer vs transformers' Glm5NextTextLinearAttention (fp32).
+
+Errors are reported as rel = max|ours - ref| / max|ref| (printed with -s).
+"""
+
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from transformers.cache_utils import DynamicCache
+from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextLinearAttention
+
+from configs.tiny import model_config
+from glm53.config import as_hf_text_config, model_config_from_dict
+from glm53.layers.conv import ShortConv
+from glm53.layers.kda import KDA, KDACache, init_cache
+from kernels.kda import api
+
+TOL = 1e-5
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.fixture(scope="module")
+def naive():
+    """fla-core's fla/ops/kda/naive.py, loaded by path (importing the fla package pulls in triton)."""
+    loc = importlib.util.find_spec("fla").submodule_search_locations[0]
+    spec = importlib.util.spec_from_file_location("fla_kda_naive", os.path.join(loc, "ops", "kda", "naive.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+B, H, DK, DV = 2, 2, 32, 16
+SCALE = DK**-0.5
+
+
+def kda_inputs(seed: int, T: int, g_mode: str = "random"):
+    """Random KDA inputs (f32 numpy): unit-norm q, k; g in (-5, 0) (or a fixed value); beta in (0, 1); state."""
+    rng = np.random.default_rng(seed)
+
+    def unit(x):
+        return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+    q = unit(rng.standard_normal((B, T, H, DK)))
+    k = unit(rng.standard_normal((B, T, H, DK)))
+    v = rng.standard_normal((B, T, H, DV))
+    if g_mode == "random":  # the checkpoint's gate: -5 * sigmoid(.), spread over (-5, 0)
+        g = -5.0 / (1.0 + np.exp(-2.0 * rng.standard_normal((B, T, H, DK))))
+    else:
+        g = np.full((B, T, H, DK), float(g_mode))
+    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, H))))
+    s0 = rng.standard_normal((B, H, DK, DV))
+    return [x.astype(np.float32) for x in (q, k, v, g, beta, s0)]
+
+
+@jax.jit
+def _chunk(q, k, v, g, beta, s0):
+    return api.chunk_kda(q, k, v, g, beta, scale=SCALE, initial_state=s0)
+
+
+@jax.jit
+def _recurrent(q, k, v, g, beta, s0):
+    return api.recurrent_kda(q, k, v, g, beta, scale=SCALE, initial_state=s0)
+
+
+def fla_recurrent(naive, q, k, v, g, beta, s0):
+    t = [None if x is None else torch.from_numpy(x) for x in (q, k, v, g, beta, s0)]
+    o, s = naive.naive_recurrent_kda(*t[:5], scale=SCALE, initial_state=t[5], output_final_state=True)
+    return o.numpy(), s.numpy()
+
+
+@pytest.mark.parametrize("T", [1, 37, 64, 150, 200])
+@pytest.mark.parametrize("with_state", [True, False])
+def test_kernels_match_fla_naive_recurrent(naive, T, with_state):
+    q, k, v, g, beta, s0 = kda_inputs(T, T)
+    s0 = s0 if with_state else None
+    o_ref, s_ref = fla_recurrent(naive, q, k, v, g, beta, s0)
+    o_c, s_c = _chunk(q, k, v, g, beta, s0)
+    o_r, s_r = _recurrent(q, k, v, g, beta, s0)
+    assert o_c.shape == (B, T, H, DV) and s_c.shape == (B, H, DK, DV) and s_c.dtype == jnp.float32
+    errs = dict(
+        chunk_o=rel_err(o_c, o_ref),
+        chunk_s=rel_err(s_c, s_ref),
+        rec_o=rel_err(o_r, o_ref),
+        rec_s=rel_err(s_r, s_ref),
+        chunk_vs_rec=rel_err(o_c, o_r),
+    )
+    print(f"T={T} state={with_state}", {k_: f"{e:.1e}" for k_, e in errs.items()})
+    assert max(errs.values()) < TOL, errs
+
+
+def test_chunk_matches_fla_naive_chunk(naive):
+    """Against fla's own chunked form (T a multiple of 64 there). Its f32 error is ~5e-6 (prefix-sum
+    cancellation, see kernels/kda/reference.py), so this bound is looser than against the recurrence."""
+    q, k, v, g, beta, s0 = kda_inputs(7, 128)
+    t = [torch.from_numpy(x) for x in (q, k, v, g, beta, s0)]
+    o_ref, s_ref = naive.naive_chunk_kda(*t[:5], scale=SCALE, initial_state=t[5], output_final_state=True)
+    o, s = _chunk(q, k, v, g, beta, s0)
+    errs = rel_err(o, o_ref.numpy()), rel_err(s, s_ref.numpy())
+    print("vs naive_chunk_kda", errs)
+    assert max(errs) < 5e-5, errs
+
+
+@pytest.mark.parametrize("g_value", [-5.0, -30.0, 0.0])
+def test_chunk_extreme_decay(naive, g_value):
+    """Saturated gate (-5 every token: cumulative -320 in a chunk, exp(320) = inf in f32), a decay far beyond the
+    bound, and no decay at all: the chunked form stays finite and equal to the recurrence."""
+    q, k, v, g, beta, s0 = kda_inputs(3, 150, g_mode=g_value)
+    o_ref, s_ref = fla_recurrent(naive, q, k, v, g, beta, s0)
+    o, s = _chunk(q, k, v, g, beta, s0)
+    assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
+    errs = rel_err(o, o_ref), rel_err(s, s_ref)
+    print(f"g={g_value}", errs)
+    assert max(errs) < TOL, errs
+
+
+@pytest.mark.parametrize("chunk_size", [16, 24])
+def test_chunk_size_and_padding(chunk_size):
+    """Other chunk sizes (24: sub-chunk 8) and padded tails give the same result as the recurrence."""
+    q, k, v, g, beta, s0 = kda_inputs(11, 50)
+    o, s = jax.jit(lambda *a: api.chunk_kda(*a[:5], scale=SCALE, initial_state=a[5], chunk_size=chunk_size))(
+        q, k, v, g, beta, s0
+    )
+    o_r, s_r = _recurrent(q, k, v, g, beta, s0)
+    assert max(rel_err(o, o_r), rel_err(s, s_r)) < TOL
+
+
+def test_api_errors():
+    q, k, v, g, beta, s0 = kda_inputs(0, 4)
+    with pytest.raises(ValueError, match="unknown implementation"):
+        api.chunk_kda(q, k, v, g, beta, scale=SCALE, implementation="nope")
+    with pytest.raises(ValueError, match="beta"):
+        api.recurrent_kda(q, k, v, g, beta[..., :1], scale=SCALE)
+    with pytest.raises(ValueError, match="g \\(log-decay"):
+        api.chunk_kda(q, k, v, g[..., :4], beta, scale=SCALE)
+    with pytest.raises(ValueError, match="initial_state"):
+        api.chunk_kda(q, k, v, g, beta, scale=SCALE, initial_state=s0[:, :, :4])
+
+
+# ------------------------------------------------------------------------------------------------ short conv
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_short_conv_matches_torch_conv1d(activation):
+    """ShortConv == F.conv1d(padding=K-1)[..., :T] (+ SiLU), one shot and in pieces carrying the state."""
+    rng = np.random.default_rng(0)
+    Bc, T, C, K = 2, 20, 8, 4
+    x = rng.standard_normal((Bc, T, C)).astype(np.float32)
+    w = rng.standard_normal((C, 1, K)).astype(np.float32)  # HF layout [C, 1, K]
+    ref = torch.nn.functional.conv1d(torch.from_numpy(x).transpose(1, 2), torch.from_numpy(w), padding=K - 1, groups=C)
+    ref = ref[..., :T].transpose(1, 2)
+    ref = (torch.nn.functional.silu(ref) if activation == "silu" else ref).numpy()
+    conv = ShortConv(C, K, rngs=nnx.Rngs(0), activation=activation)
+    conv.weight.set_value(jnp.asarray(w[:, 0, :].T))
+    y, state = conv(jnp.asarray(x))
+    assert rel_err(y, ref) < 1e-6
+    np.testing.assert_array_equal(np.asarray(state), x[:, -(K - 1) :])
+    pieces, st = [], None
+    for a, b in ((0, 7), (7, 8), (8, 9), (9, 20)):
+        yp, st = conv(jnp.asarray(x[:, a:b]), st)
+        pieces.append(np.asarray(yp))
+    assert rel_err(np.concatenate(pieces, 1), ref) < 1e-6
+
+
+# ------------------------------------------------------------------------------------------------ layer
+@pytest.fixture(scope="module")
+def layer_pair():
+    """(cfg, hf_config, torch layer with every parameter randomized, our layer holding the same weights)."""
+    cfg = model_config_from_dict(model_config("default"))
+    hf_cfg = transformers.Glm5NextTextConfig(**as_hf_text_config(cfg))
+    assert hf_cfg.layer_types[0] == "linear_attention"
+    torch.manual_seed(0)
+    tm = Glm5NextTextLinearAttention(hf_cfg, layer_idx=0).float().eval()
+    with torch.no_grad():
+        for name, p in tm.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn_like(p))
+            elif name == "o_norm.weight":
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif name == "conv1d.weight":
+                p.copy_(0.4 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    ours = KDA(cfg, rngs=nnx.Rngs(0))
+    copy_kda_from_torch(ours, tm)
+    return cfg, hf_cfg, tm, ours
+
+
+def copy_kda_from_torch(ours: KDA, tm) -> None:
+    """Test helper: HF Glm5NextTextLinearAttention weights -> our KDA (Linear [out, in] -> [in, out])."""
+
+    def t(p):
+        return jnp.asarray(p.detach().float().numpy())
+
+    for name in ("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj"):
+        getattr(ours, name).kernel.set_value(t(getattr(tm, name).weight).T)
+    ours.f_a_proj.kernel.set_value(t(tm.forget_gate.f_a_proj.weight).T)
+    ours.f_b_proj.kernel.set_value(t(tm.forget_gate.f_b_proj.weight).T)
+    ours.dt_bias.set_value(t(tm.forget_gate.dt_bias))
+    ours.A_log.set_value(t(tm.forget_gate.A_log))
+    ours.o_norm.weight.set_value(t(tm.o_norm.weight))
+    w = t(tm.conv1d.weight)[:, 0, :]  # [3*HD, K]: channels q | k | v
+    hd = w.shape[0] // 3
+    for i, conv in enumerate((ours.q_conv, ours.k_conv, ours.v_conv)):
+        conv.weight.set_value(w[i * hd : (i + 1) * hd].T)
+
+
+@nnx.jit
+def _layer(m, x, cache, start_b):
+    return m(x, cache=cache, start_b=start_b)
+
+
+@nnx.jit
+def _layer_nocache(m, x):
+    return m(x)
+
+
+def _x(seed, b, T, D=64):
+    return np.random.default_rng(seed).standard_normal((b, T, D)).astype(np.float32)
+
+
+def _torch(tm, x, cache=None):
+    with torch.no_grad():
+        return tm(torch.from_numpy(x), cache_params=cache).numpy()
+
+
+def _check_cache_vs_torch(cache: KDACache, tcache, K):
+    """Our conv_state [B, K-1, 3HD] vs torch's [B, 3HD, K] (last K-1 entries); recurrent states."""
+    layer = tcache.layers[0]
+    conv_t = layer.conv_states[0].numpy()[..., 1:].transpose(0, 2, 1)
+    assert conv_t.shape[1] == K - 1
+    e_conv = rel_err(cache.conv_state, conv_t)
+    e_state = rel_err(cache.state, layer.recurrent_states[0].numpy())
+    return e_conv, e_state
+
+
+T_FULL = 150  # 3 chunks of 64 (the last one padded)
+
+
+def test_layer_full_sequence_matches_transformers(layer_pair):
+    cfg, _, tm, ours = layer_pair
+    x = _x(1, 2, T_FULL)
+    y_ref = _torch(tm, x)
+    y, c = _layer_nocache(ours, jnp.asarray(x))
+    assert c is None
+    e = rel_err(y, y_ref)
+    print(f"full T={T_FULL}: rel {e:.2e}")
+    assert e < TOL
+    # a fresh zero cache at start 0 is the same computation
+    y2, _ = _layer(ours, jnp.asarray(x), init_cache(cfg, 2, T_FULL), jnp.zeros((2,), jnp.int32))
+    assert rel_err(y2, y) < 1e-6
+
+
+def test_layer_decode_matches_transformers(layer_pair):
+    """prefill(T-1) + one decode step == prefill(T), and == transformers' own cached path, caches included."""
+    cfg, hf_cfg, tm, ours = layer_pair
+    x = _x(1, 2, T_FULL)
+    y_full = _torch(tm, x)
+    tcache = DynamicCache(config=hf_cfg)
+    y_tp = _torch(tm, x[:, :-1], tcache)
+    y_td = _torch(tm, x[:, -1:], tcache)
+    cache = init_cache(cfg, 2, T_FULL)
+    y_p, cache = _layer(ours, jnp.asarray(x[:, :-1]), cache, jnp.zeros((2,), jnp.int32))
+    y_d, cache = _layer(ours, jnp.asarray(x[:, -1:]), cache, jnp.full((2,), T_FULL - 1, jnp.int32))
+    errs = dict(
+        prefill_vs_torch=rel_err(y_p, y_tp),
+        decode_vs_torch_cached=rel_err(y_d, y_td),
+        decode_vs_torch_full=rel_err(y_d, y_full[:, -1:]),
+        prefill_vs_torch_full=rel_err(y_p, y_full[:, :-1]),
+    )
+    errs["conv_state"], errs["state"] = _check_cache_vs_torch(cache, tcache, cfg.linear_conv_kernel_dim)
+    print({k: f"{e:.1e}" for k, e in errs.items()})
+    assert max(errs.values()) < TOL, errs
+
+
+def test_layer_piecewise_prefill_matches_transformers(layer_pair):
+    """37 + 112 + 1 tokens through the cache == one shot, and == transformers' cached pieces."""
+    cfg, hf_cfg, tm, ours = layer_pair
+    x = _x(1, 2, T_FULL)
+    y_full = _torch(tm, x)
+    tcache = DynamicCache(config=hf_cfg)
+    cache = init_cache(cfg, 2, T_FULL)
+    errs, outs, pos = {}, [], 0
+    for n in (37, 112, 1):
+        xs = x[:, pos : pos + n]
+        y_t = _torch(tm, xs, tcache)
+        y, cache = _layer(ours, jnp.asarray(xs), cache, jnp.full((2,), pos, jnp.int32))
+        errs[f"piece{n}_vs_torch_cached"] = rel_err(y, y_t)
+        outs.append(np.asarray(y))
+        pos += n
+    errs["pieces_vs_torch_full"] = rel_err(np.concatenate(outs, 1), y_full)
+    errs["conv_state"], errs["state"] = _check_cache_vs_torch(cache, tcache, cfg.linear_conv_kernel_dim)
+    print({k: f"{e:.1e}" for k, e in errs.items()})
+    assert max(errs.values()) < TOL, errs
+
+
+def test_layer_streams_at_different_positions(layer_pair):
+    """A batch of streams with different histories (37 and 112 tokens, and a fresh one whose cache slot holds
+    stale data) == each stream run alone."""
+    cfg, _, _, ours = layer_pair
+    hist = {0: _x(2, 1, 37), 1: _x(3, 1, 112)}
+    new = _x(4, 3, 5)
+    alone, caches = [], []
+    for b in (0, 1):
+        c = init_cache(cfg, 1, 0)
+        _, c = _layer(ours, jnp.asarray(hist[b]), c, jnp.zeros((1,), jnp.int32))
+        y, _ = _layer(ours, jnp.asarray(new[b : b + 1]), c, jnp.full((1,), hist[b].shape[1], jnp.int32))
+        alone.append(np.asarray(y))
+        caches.append(c)
+    y_fresh, _ = _layer_nocache(ours, jnp.asarray(new[2:3]))
+    alone.append(np.asarray(y_fresh))
+    stale = caches[1]  # slot 2 reuses a finished stream's cache; start 0 must ignore it
+    batched = jax.tree.map(lambda *a: jnp.concatenate(a, 0), caches[0], caches[1], stale)
+    start_b = jnp.asarray([37, 112, 0], jnp.int32)
+    y, new_cache = _layer(ours, jnp.asarray(new), batched, start_b)
+    e = rel_err(y, np.concatenate(alone, 0))
+    print(f"batched streams vs alone: rel {e:.1e}")
+    assert e < 1e-6
+    assert new_cache.state.shape == (3, cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_head_dim)
+
+
+def test_layer_rejects_bad_cache(layer_pair):
+    cfg, _, _, ours = layer_pair
+    with pytest.raises(ValueError, match="cache shapes"):
+        ours(jnp.zeros((2, 3, 64)), cache=init_cache(cfg, 3, 0), start_b=jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="start_b"):
+        ours(jnp.zeros((2, 3, 64)), cache=init_cache(cfg, 2, 0), start_b=jnp.zeros((3,), jnp.int32))
