@@ -30,6 +30,7 @@ setup(
         "numpy",
         "safetensors",
         "tokenizers",
+        "jinja2",  # chat templates (glm53/tokenizer.py)
         "gguf==0.19.0",
         "tqdm",
     ],

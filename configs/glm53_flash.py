@@ -69,10 +69,19 @@ def model_config() -> ml_collections.ConfigDict:
     )
 
 
+def quant_config() -> ml_collections.ConfigDict:
+    """Routed experts as in Unsloth's UD-IQ3_XXS GGUF (glm53.config.QuantConfig); e.g. ``--config.quant.layout=
+    reencoded`` for the gather-free IQ2_S / IQ3_S layouts, ``--config.quant.experts=q4_k`` for another format."""
+    return ml_collections.ConfigDict(
+        dict(experts="ud_iq3_xxs", layout="planes", moe_impl="auto", decode_max_slots=512)
+    )
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     del arg
     cfg = ml_collections.ConfigDict()
     cfg.model = model_config()
+    cfg.quant = quant_config()
     cfg.seed = 0
     cfg.param_dtype = "bfloat16"
     return cfg

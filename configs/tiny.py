@@ -105,9 +105,19 @@ def model_config(name: str = "default") -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(d)
 
 
+def quant_config() -> ml_collections.ConfigDict:
+    """Routed-expert storage (glm53.config.QuantConfig). Quantized experts need expert matrices whose inputs are
+    a multiple of the block size (256 for K- and i-quants): use the `gguf` or `small` variant, e.g.
+    ``--config=configs/tiny.py:gguf --config.quant.experts=ud_iq3_xxs`` or ``--config.quant.experts=q4_k``."""
+    return ml_collections.ConfigDict(
+        dict(experts="none", layout="planes", moe_impl="reference", decode_max_slots=64)
+    )
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     cfg = ml_collections.ConfigDict()
     cfg.model = model_config(arg or "default")
+    cfg.quant = quant_config()
     cfg.seed = 0
     cfg.param_dtype = "float32"
     return cfg

@@ -74,5 +74,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("JAX_PLATFORMS", "")
     app.run(main)

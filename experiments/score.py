@@ -2,6 +2,8 @@
 
   python -m experiments.score --config=configs/tiny.py --tokens=tokens.json --out=scores.npz
   python -m experiments.score --weights=HF_DIR --tokens=tokens.json --out=scores.npz
+  python -m experiments.score --weights=MODEL.gguf --tokens=tokens.json --out=scores.npz
+  python -m experiments.score --weights=HF_DIR --experts=EXPERTS.gguf --tokens=tokens.json --out=scores.npz
 
 tokens.json is a JSON list of token-id lists. OUT.npz holds logits_0, logits_1, ... (float32 [T_i, vocab]) and
 nll (mean next-token NLL per sequence). --config without --weights scores the seeded random model of that config.
@@ -18,7 +20,8 @@ from ml_collections import config_flags
 from glm53 import build, scoring
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config (configs/*.py[:variant])", lock_config=True)
-_WEIGHTS = flags.DEFINE_string("weights", None, "HF safetensors folder")
+_WEIGHTS = flags.DEFINE_string("weights", None, "HF safetensors folder or GGUF file")
+_EXPERTS = flags.DEFINE_string("experts", None, "GGUF file with the routed experts (--weights: HF folder)")
 _TOKENS = flags.DEFINE_string("tokens", None, "JSON file: a list of token-id lists", required=True)
 _OUT = flags.DEFINE_string("out", "scores.npz", "output .npz")
 _DTYPE = flags.DEFINE_string("dtype", "float32", "parameter dtype when loading --weights")
@@ -28,6 +31,8 @@ def main(argv):
     del argv
     if (_WEIGHTS.value is None) == (_CONFIG.value is None):
         raise app.UsageError("give exactly one of --weights or --config")
+    if _EXPERTS.value and not _WEIGHTS.value:
+        raise app.UsageError("--experts needs --weights=HF_DIR")
     try:
         with open(_TOKENS.value) as f:
             seqs = json.load(f)
@@ -36,7 +41,7 @@ def main(argv):
     if not isinstance(seqs, list) or not all(isinstance(s, list) and all(isinstance(t, int) for t in s) for s in seqs):
         raise app.UsageError(f"--tokens={_TOKENS.value}: expected a JSON list of lists of integers")
     if _WEIGHTS.value:
-        cfg, model = build.load_model(_WEIGHTS.value, dtype=build.parse_dtype(_DTYPE.value))
+        cfg, model = build.load_model(_WEIGHTS.value, experts=_EXPERTS.value, dtype=build.parse_dtype(_DTYPE.value))
     else:
         cfg, model = build.model_from_experiment_config(_CONFIG.value)
     logging.info("model config: %s", cfg)

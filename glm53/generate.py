@@ -102,12 +102,14 @@ class Generator:
     def prefill(self, cache: Cache, tokens_t, stream: int = 0):
         """Feeds a prompt to one stream in pieces of `prefill_chunk`; returns (hidden, logits of the last token, cache)."""
         tokens_t = np.asarray(tokens_t, np.int32)
-        sub = _slice_stream(cache, stream)
+        whole = cache.batch == 1  # slicing a batch of one may alias the buffer that the step donates
+        sub = cache if whole else _slice_stream(cache, stream)
         hs = []
         for s in range(0, len(tokens_t), self.prefill_chunk):
             h, logits, sub = self.forward(sub, tokens_t[None, s : s + self.prefill_chunk])
             hs.append(h)
-        return jnp.concatenate(hs, axis=1), logits[:, -1], _put_stream(cache, stream, sub)
+        cache = sub if whole else _put_stream(cache, stream, sub)
+        return jnp.concatenate(hs, axis=1), logits[:, -1], cache
 
     def sample(self, logits_bv, key, sp: SamplingParams):
         return self._sample(logits_bv, key, sp.temperature, sp.top_p, sp.top_k)

@@ -1,16 +1,18 @@
 """Per-device HBM budget of GLM-5.3-Flash served tensor-parallel with GGUF routed experts, from shapes only.
 
-`memory_budget(cfg, experts=..., devices=..., hbm_gb=..., context=..., streams=...)` returns, per device: the routed
-experts (GGUF blocks repacked as planes, glm53/quant/budget.py), the non-expert weights under one per-tensor-class
-storage rule (`STORAGE`), the vision tower, the caches of `streams` context sets, a workspace, the total and the
-headroom; plus parameter counts (glm53/param_inventory.py), a comparison with the audit article / prior art
-(/work/shared/spec/audit-article.txt, prior-art.md) that says why a figure differs, and optionally a ladder of
-expert quantizations and whether each fits. Nothing is allocated.
+`memory_budget(cfg, experts=..., devices=..., hbm_gb=..., context=..., streams=...)` returns, per device:
+the routed experts (GGUF blocks repacked as planes, glm53/quant/budget.py), the non-expert weights under one
+per-tensor-class storage rule (`STORAGE`), the vision tower, the caches of `streams` context sets, a
+workspace, the total and the headroom; plus parameter counts (glm53/param_inventory.py), a comparison with
+the audit article / prior art (/work/shared/spec/audit-article.txt, prior-art.md) that says why a figure
+differs, and optionally a ladder of expert quantizations and whether each fits. Nothing is allocated.
 
 Placement (the prior art's pure tensor parallelism over one axis of `devices`):
-  * routed experts: every device holds 1/devices of every expert (gate/up by output rows, down by input blocks);
-  * int8 matrices: split along their head / vocabulary / FFN-width axis (low-rank down-projections without one,
-    q_a, kv_a, f_a, g_a, indexer wk / compress_gate, along their output axis); norms, mHC and routers replicated;
+  * routed experts: every device holds 1/devices of every expert (gate/up by output rows, down by input
+    blocks);
+  * int8 matrices: split along their head / vocabulary / FFN-width axis (low-rank down-projections without
+    one, q_a, kv_a, f_a, g_a, indexer wk / compress_gate, along their output axis); norms, mHC and routers
+    replicated;
   * caches: KDA conv + recurrent state split by head; MLA latent and indexer caches sequence-sharded by pool
     (pool p on device p mod devices).
 """
@@ -31,8 +33,17 @@ DTYPE_BYTES = {"int8": 1, "bf16": 2, "f32": 4}
 INT8_SCALE_BYTES = 4  # f32 scale per output channel (glm53/quant/int8.py Int8Weight)
 
 # Logical axes that tensor parallelism splits (heads, vocabulary, FFN widths).
-SPLIT_AXES = (dims.VOCAB, dims.HEADS, dims.KV_HEADS, dims.KDA_QKV, dims.KDA_HEADS, dims.INDEX_QK,
-              dims.INDEX_HEADS, dims.MLP, dims.EXPERT_MLP)  # fmt: skip
+SPLIT_AXES = (
+    dims.VOCAB,
+    dims.HEADS,
+    dims.KV_HEADS,
+    dims.KDA_QKV,
+    dims.KDA_HEADS,
+    dims.INDEX_QK,
+    dims.INDEX_HEADS,
+    dims.MLP,
+    dims.EXPERT_MLP,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,13 +55,15 @@ class Storage:
     note: str
 
 
-# The one per-tensor-class rule (prior art: "everything else from the FP8 checkpoint at int8 per channel; norms,
-# routers, mHC in fp32/bf16"). bf16 where the checkpoint keeps a tensor in bf16; f32 where transformers keeps it
-# in f32 (_keep_in_fp32_modules_strict) or where it is a norm weight (tiny).
+# The one per-tensor-class rule (prior art: "everything else from the FP8 checkpoint at int8 per channel;
+# norms, routers, mHC in fp32/bf16"). bf16 where the checkpoint keeps a tensor in bf16; f32 where transformers
+# keeps it in f32 (_keep_in_fp32_modules_strict) or where it is a norm weight (tiny).
 STORAGE: dict[str, Storage] = {
     "embedding": Storage("int8", "split", "int8 + f32 scale per vocabulary row; split by vocabulary"),
     "lm_head": Storage("int8", "split", "int8 + f32 scale per vocabulary column; split by vocabulary"),
-    "attention": Storage("int8", "split", "KDA / MLA projections, int8 + f32 scale per output channel; by heads"),
+    "attention": Storage(
+        "int8", "split", "KDA / MLA projections, int8 + f32 scale per output channel; by heads"
+    ),
     "indexer": Storage("int8", "split", "indexer projections, int8 + f32 scale per output channel"),
     "dense_mlp": Storage("int8", "split", "layers 0-2 SwiGLU, int8 + f32 scale; split by FFN width"),
     "shared_experts": Storage("int8", "split", "shared expert, int8 + f32 scale; split by FFN width"),
@@ -65,9 +78,9 @@ STORAGE: dict[str, Storage] = {
 }
 VISION_STORAGE = Storage("bf16", "split", "vision tower at bf16 split evenly (the article's rule)")
 
-# Figures the audit article (/work/shared/spec/audit-article.txt) and the prior-art notes (prior-art.md) print.
-# Used ONLY as the comparison column and, for `hbm_used_gb`, as the measurement the workspace residual is taken
-# from; every "ours" figure is computed from the config, the shapes and the format definitions.
+# Figures the audit article (/work/shared/spec/audit-article.txt) and the prior-art notes (prior-art.md)
+# print. Used ONLY as the comparison column and, for `hbm_used_gb`, as the measurement the workspace residual
+# is taken from; every "ours" figure is computed from the config, the shapes and the format definitions.
 REFERENCE = {
     "total_params": 321_323_031_390,
     "routed_expert_params": 304_405_807_104,
@@ -115,8 +128,8 @@ def tensor_device_bytes(t: Tensor, storage: Storage, n: int) -> tuple[int, bool]
 
 
 def non_expert_by_class(cfg: ModelConfig, devices: int, inventory: list[Tensor] | None = None) -> dict:
-    """{class: {params, dtype, placement, bytes_per_device, replicated_fallbacks}} over trunk + lm_head, routed
-    experts and the MTP block excluded."""
+    """{class: {params, dtype, placement, bytes_per_device, replicated_fallbacks}} over trunk + lm_head,
+    routed experts and the MTP block excluded."""
     inv = param_inventory(cfg, with_mtp=False) if inventory is None else inventory
     out: dict[str, dict] = {}
     for t in inv:
@@ -126,7 +139,10 @@ def non_expert_by_class(cfg: ModelConfig, devices: int, inventory: list[Tensor] 
         st = STORAGE[cls]
         nbytes, fallback = tensor_device_bytes(t, st, devices)
         row = out.setdefault(
-            cls, dict(params=0, dtype=st.dtype, placement=st.placement, bytes_per_device=0, replicated_fallbacks=0)
+            cls,
+            dict(
+                params=0, dtype=st.dtype, placement=st.placement, bytes_per_device=0, replicated_fallbacks=0
+            ),
         )
         row["params"] += t.size
         row["bytes_per_device"] += nbytes
@@ -135,8 +151,20 @@ def non_expert_by_class(cfg: ModelConfig, devices: int, inventory: list[Tensor] 
 
 
 # ---------------------------------------------------------------------------------------------- experts
-LADDER_UNIFORM = ("IQ2_XXS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-                  "Q8_0", "BF16")  # fmt: skip
+LADDER_UNIFORM = (
+    "IQ2_XXS",
+    "IQ2_S",
+    "IQ3_XXS",
+    "IQ3_S",
+    "IQ4_XS",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "Q8_0",
+    "BF16",
+)
 # UD-like mixes defined here after the pattern of Unsloth's UD-IQ3_XXS: (gate/up, down, down in the boosted
 # layers budget.IQ4_XS_DOWN_LAYERS). These are NOT Unsloth's other builds, whose tables we have not read.
 LADDER_UD_LIKE = (
@@ -169,8 +197,11 @@ def _ud_like(cfg: ModelConfig, gate_up: str, down: str, boost: str) -> dict:
 
 def expert_mix_names() -> list[str]:
     """Names accepted by `expert_mix` / --experts."""
-    return (["ud_iq3_xxs"] + [f.lower() for f in LADDER_UNIFORM]
-            + [f"udlike_{g}_{d}_{b}".lower() for g, d, b in LADDER_UD_LIKE])  # fmt: skip
+    return (
+        ["ud_iq3_xxs"]
+        + [f.lower() for f in LADDER_UNIFORM]
+        + [f"udlike_{g}_{d}_{b}".lower() for g, d, b in LADDER_UD_LIKE]
+    )
 
 
 def expert_mix(cfg: ModelConfig, name: str) -> tuple[str, dict]:
@@ -180,7 +211,8 @@ def expert_mix(cfg: ModelConfig, name: str) -> tuple[str, dict]:
         table_layers = tuple(sorted({layer for layer, _ in qbudget.UD_IQ3_XXS}))
         if table_layers != _moe_layers(cfg):
             raise ValueError(
-                f"--experts=ud_iq3_xxs: the UD-IQ3_XXS table covers MoE layers {table_layers[0]}..{table_layers[-1]} "
+                f"--experts=ud_iq3_xxs: the UD-IQ3_XXS table covers MoE layers "
+                f"{table_layers[0]}..{table_layers[-1]} "
                 f"but config field mlp_layer_types has MoE layers {list(_moe_layers(cfg))}"
             )
         return "UD-IQ3_XXS (Unsloth mix)", dict(qbudget.UD_IQ3_XXS)
@@ -194,15 +226,21 @@ def expert_mix(cfg: ModelConfig, name: str) -> tuple[str, dict]:
     try:  # any other known GGUF format name, uniform
         return f"{get_format(key).name} uniform", _uniform(cfg, get_format(key).name)
     except ValueError:
-        raise ValueError(f"--experts={name!r}: unknown expert mix; choose one of {expert_mix_names()}") from None
+        raise ValueError(
+            f"--experts={name!r}: unknown expert mix; choose one of {expert_mix_names()}"
+        ) from None
 
 
 def expert_bytes(cfg: ModelConfig, mix: dict, devices: int, layout: str = "planes") -> qbudget.MixBytes:
     """GGUF and per-device plane bytes of a routed-expert mix under the TP split (glm53/quant/budget.py)."""
     return qbudget.expert_mix_nbytes(
-        mix, devices, layout,
-        n_experts=cfg.n_routed_experts, d_model=cfg.hidden_size, d_ff=cfg.moe_intermediate_size,
-    )  # fmt: skip
+        mix,
+        devices,
+        layout,
+        n_experts=cfg.n_routed_experts,
+        d_model=cfg.hidden_size,
+        d_ff=cfg.moe_intermediate_size,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- caches
@@ -211,9 +249,9 @@ class CacheLayout:
     """Cache storage of one context set (one stream).
 
     latent: "int8" (512 int8 + one f32 absmax scale per token, the prior art) or "bf16".
-    indexer: "pooled" (one pooled key per completed pool + the per-token key/gate of the open pool only: what a
-      262k set of 0.23 GB/device implies) or "full" (per-token key and gate for every position as well, the
-      layout of glm53/layers/dsa.py DSACache).
+    indexer: "pooled" (one pooled key per completed pool + the per-token key/gate of the open pool only:
+      what a 262k set of 0.23 GB/device implies) or "full" (per-token key and gate for every position as
+      well, the layout of glm53/layers/dsa.py DSACache).
     """
 
     latent: str = "int8"
@@ -233,15 +271,19 @@ class CacheLayout:
                 raise ValueError(f"cache {f} must be one of {sorted(DTYPE_BYTES)}, got {getattr(self, f)!r}")
 
 
-def context_set_bytes(cfg: ModelConfig, context: int, devices: int, layout: CacheLayout = CacheLayout()) -> dict:
-    """Bytes ONE device holds for one stream of `context` tokens, per cache component (worst-loaded device)."""
+def context_set_bytes(
+    cfg: ModelConfig, context: int, devices: int, layout: CacheLayout = CacheLayout()
+) -> dict:
+    """Bytes ONE device holds for one stream of `context` tokens, per cache component (the worst-loaded
+    device)."""
     if context < 1 or devices < 1:
         raise ValueError(f"context and devices must be >= 1, got {context}, {devices}")
     n_kda = cfg.num_kda_layers
     dsa = [i for i, t in enumerate(cfg.layer_types) if t == "dsa"]
-    n_dsa = len(dsa) + int(layout.include_mtp and cfg.num_nextn_predict_layers > 0)
-    n_idx = sum(cfg.indexer_types[i] == "full" for i in dsa) + int(layout.include_mtp and cfg.num_nextn_predict_layers > 0)
-    kp, c = cfg.index_kpool, cfg.index_head_dim
+    mtp = int(layout.include_mtp and cfg.num_nextn_predict_layers > 0)
+    n_dsa = len(dsa) + mtp
+    n_idx = sum(cfg.indexer_types[i] == "full" for i in dsa) + mtp  # "shared" layers keep no indexer cache
+    kp, c, d = cfg.index_kpool, cfg.index_head_dim, cfg.linear_head_dim
     pools = -(-context // kp)
     pools_dev = -(-pools // devices)  # pool p on device p mod devices
     tokens_dev = pools_dev * kp
@@ -249,10 +291,10 @@ def context_set_bytes(cfg: ModelConfig, context: int, devices: int, layout: Cach
     ib = DTYPE_BYTES[layout.index_dtype]
     latent_row = cfg.kv_lora_rank + INT8_SCALE_BYTES if layout.latent == "int8" else 2 * cfg.kv_lora_rank
     keys_gates_rows = tokens_dev if layout.indexer == "full" else kp  # "pooled": the open pool's members only
+    conv_rows = cfg.linear_conv_kernel_dim - 1  # last K-1 pre-conv inputs of q | k | v
     return dict(
-        kda_state=n_kda * heads_dev * cfg.linear_head_dim * cfg.linear_head_dim * DTYPE_BYTES[layout.kda_state_dtype],
-        kda_conv=n_kda * (cfg.linear_conv_kernel_dim - 1) * 3 * heads_dev * cfg.linear_head_dim
-        * DTYPE_BYTES[layout.conv_dtype],
+        kda_state=n_kda * heads_dev * d * d * DTYPE_BYTES[layout.kda_state_dtype],
+        kda_conv=n_kda * conv_rows * 3 * heads_dev * d * DTYPE_BYTES[layout.conv_dtype],
         mla_latent=n_dsa * tokens_dev * latent_row,
         indexer_pooled_keys=n_idx * pools_dev * c * ib,
         indexer_keys_gates=n_idx * keys_gates_rows * 2 * c * ib,
@@ -260,14 +302,34 @@ def context_set_bytes(cfg: ModelConfig, context: int, devices: int, layout: Cach
 
 
 # ---------------------------------------------------------------------------------------------- budget
-_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "mlp_layer_types", "indexer_types",
-                 "intermediate_size", "moe_intermediate_size", "n_routed_experts", "n_shared_experts",
-                 "linear_num_heads", "linear_head_dim", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
-                 "qk_nope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_kpool", "hc_mult")  # fmt: skip
+_SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "layer_types",
+    "mlp_layer_types",
+    "indexer_types",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "n_routed_experts",
+    "n_shared_experts",
+    "linear_num_heads",
+    "linear_head_dim",
+    "num_attention_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "index_n_heads",
+    "index_head_dim",
+    "index_kpool",
+    "hc_mult",
+)
 
 
 def is_release_shape(cfg: ModelConfig) -> bool:
-    """True when every shape field equals the release model's (ModelConfig defaults) and a vision tower is set."""
+    """True when every shape field equals the release model's (ModelConfig defaults) and a vision tower is
+    set."""
     ref = ModelConfig()
     return cfg.vision is not None and all(getattr(cfg, f) == getattr(ref, f) for f in _SHAPE_FIELDS)
 
@@ -283,8 +345,8 @@ def _row(name: str, ours, ref, decimals: int | None, why_differs: str, unit: str
         agrees = ours == ref
     else:  # within one unit of the reference's last printed digit (it may be rounded or truncated)
         agrees = abs(ours - ref) < 10.0**-decimals
-    return dict(quantity=name, ours=ours, reference=ref, unit=unit, agrees=agrees,
-                why=("matches at the printed precision" if agrees else why_differs))  # fmt: skip
+    why = "matches at the printed precision" if agrees else why_differs
+    return dict(quantity=name, ours=ours, reference=ref, unit=unit, decimals=decimals, agrees=agrees, why=why)
 
 
 def memory_budget(
@@ -306,17 +368,22 @@ def memory_budget(
         raise ValueError(f"need devices >= 1, streams >= 0, hbm_gb > 0; got {devices}, {streams}, {hbm_gb}")
     counts = param_counts(cfg)
     label, mix = expert_mix(cfg, experts)
-    mb = expert_bytes(cfg, mix, devices, layout)
+    try:
+        mb = expert_bytes(cfg, mix, devices, layout)
+    except ValueError as e:
+        raise ValueError(f"--experts={experts} --devices={devices} --layout={layout}: {e}") from None
     by_class = non_expert_by_class(cfg, devices)
     non_expert = sum(r["bytes_per_device"] for r in by_class.values())
-    flat_int8 = counts["non_expert_params"] / devices  # the article's rule: 1 byte per parameter, split evenly
+    # The article's rule: 1 byte per parameter, split evenly.
+    flat_int8 = counts["non_expert_params"] / devices
     vision_dev = counts["vision_params"] * DTYPE_BYTES[VISION_STORAGE.dtype] // devices if vision else 0
     ctx = context_set_bytes(cfg, context, devices, cache)
     ctx_total = sum(ctx.values())
     weights = mb.per_device + non_expert + vision_dev
 
-    # Workspace: what the prior art's measured 15.4 GB/device leaves after the weights we itemise (same shapes,
-    # UD-IQ3_XXS planes, 8 devices, vision loaded); that measurement cannot include context sets (see notes).
+    # Workspace: what the prior art's measured 15.4 GB/device leaves after the weights we itemise (same
+    # shapes, UD-IQ3_XXS planes, 8 devices, vision loaded). That measurement cannot include context sets:
+    # experts + non-expert int8 alone are ~14.96 GB, and three 0.23 GB sets would already exceed 15.4.
     ref_setup = is_release_shape(cfg) and devices == PRIOR_ART_DEVICES
     if ref_setup:
         ud = expert_bytes(cfg, dict(qbudget.UD_IQ3_XXS), PRIOR_ART_DEVICES).per_device
@@ -328,8 +395,10 @@ def memory_budget(
         workspace, ws_source = round(workspace_gb * GB), "--workspace_gb"
     elif ref_setup:
         workspace = max(0, int(residual))
-        ws_source = (f"prior-art residual: its measured {REFERENCE['hbm_used_gb']} GB/device minus the "
-                     f"{_gb(itemised_ref):.3f} GB of weights itemised here (XLA's own footprint)")  # fmt: skip
+        ws_source = (
+            f"prior-art residual: its measured {REFERENCE['hbm_used_gb']} GB/device minus the "
+            f"{_gb(itemised_ref):.3f} GB of weights itemised here (XLA's own footprint)"
+        )
     else:
         workspace, ws_source = 0, "no prior-art measurement for these shapes / devices: pass --workspace_gb"
 
@@ -339,8 +408,17 @@ def memory_budget(
     free_for_ctx = hbm - (mb.per_device + rest)
     max_streams = max(0, free_for_ctx // ctx_total) if ctx_total else None
     out = dict(
-        config=dict(devices=devices, hbm_gb=hbm_gb, context=context, streams=streams, experts=experts,
-                    experts_label=label, layout=layout, vision=vision, cache=dataclasses.asdict(cache)),
+        config=dict(
+            devices=devices,
+            hbm_gb=hbm_gb,
+            context=context,
+            streams=streams,
+            experts=experts,
+            experts_label=label,
+            layout=layout,
+            vision=vision,
+            cache=dataclasses.asdict(cache),
+        ),
         **counts,
         routed_gguf_bytes=mb.gguf,
         routed_planes_bytes=mb.total,
@@ -378,11 +456,14 @@ def memory_budget(
         headroom_bytes=hbm - total,
         fits=total <= hbm,
         max_streams=max_streams,
-        storage_rules={k: dataclasses.asdict(v) for k, v in STORAGE.items()} | {"vision": dataclasses.asdict(VISION_STORAGE)},
-        not_loaded=dict(mtp_params=counts["mtp_params"],
-                        why="the MTP block (layer 45) is not served by the prior art; its cache is excluded too"),
-        assumptions=_assumptions(cache),
-    )  # fmt: skip
+        storage_rules={k: dataclasses.asdict(v) for k, v in STORAGE.items()}
+        | {"vision": dataclasses.asdict(VISION_STORAGE)},
+        not_loaded=dict(
+            mtp_params=counts["mtp_params"],
+            why="the MTP block (layer 45) is not served by the prior art (its cache only with --mtp_cache)",
+        ),
+        assumptions=_assumptions(cache, ws_source, layout),
+    )
     if ref_setup and experts == "ud_iq3_xxs" and layout == "planes":
         out["article_reconstruction"] = dict(
             weights_bytes_per_device=article_sum,
@@ -394,82 +475,101 @@ def memory_budget(
     return out
 
 
-def _assumptions(cache: CacheLayout) -> list[str]:
+def _assumptions(cache: CacheLayout, workspace_source: str, layout: str) -> list[str]:
     return [
         "GB = 1e9 bytes.",
-        "Routed experts: planes of glm53/quant/planes.py; gate/up split by output rows, down by input blocks.",
-        "Non-expert weights: the STORAGE table (int8 + f32 per-channel scales for matrices, split over devices; "
-        "router, mHC fn in bf16 and norms / mHC base+scale / router bias in f32, replicated; KDA conv / dt_bias / "
-        "A_log f32 split by head).",
+        f"Routed experts: {layout} (glm53/quant/planes.py, reencode.py); gate/up split by output rows, "
+        "down by input blocks.",
+        "Non-expert weights: the STORAGE table (int8 + f32 per-channel scales for matrices, split over "
+        "devices; router, mHC fn in bf16 and norms / mHC base+scale / router bias in f32, replicated; KDA "
+        "conv / dt_bias / A_log f32 split by head).",
         "Vision tower: bf16, split evenly over devices (as the article computes 0.141 GB/device).",
-        f"Caches per context set: KDA state {cache.kda_state_dtype} + conv {cache.conv_dtype} split by head; MLA "
-        f"latent {cache.latent}{' + f32 per-token scale' if cache.latent == 'int8' else ''}, indexer "
-        f"{cache.indexer} ({cache.index_dtype}), sequence-sharded by pool (pool p on device p mod devices).",
-        "MTP block not loaded (prior art does not serve it).",
-        "Workspace: the prior art's measured 15.4 GB/device minus the weights itemised here.",
+        f"Caches per context set: KDA state {cache.kda_state_dtype} + conv {cache.conv_dtype} split by "
+        f"head; MLA latent {cache.latent}{' + f32 per-token scale' if cache.latent == 'int8' else ''}, "
+        f"indexer {cache.indexer} ({cache.index_dtype}), sequence-sharded by pool (pool p on device p mod "
+        "devices).",
+        "MTP block weights not loaded (the prior art does not serve it); its DSA cache "
+        f"{'included' if cache.include_mtp else 'excluded'}.",
+        f"Workspace: {workspace_source}. The prior art's measured 15.4 GB/device holds weights and XLA's "
+        "footprint, not context sets: experts and non-expert int8 alone are ~14.96 GB.",
     ]
 
 
 def _comparison(out: dict, article_sum: float, itemised: int, residual: float) -> list[dict]:
+    """Rows (quantity, ours, reference, agrees, why) against the article's / prior art's printed figures."""
     r, c = REFERENCE, out
-    by = c["non_expert_per_device_by_class"]
     n = c["config"]["devices"]
-    replicated_extra = sum(v["bytes_per_device"] - v["params"] / n for v in by.values() if v["placement"] == "replicated")
+    by = c["non_expert_per_device_by_class"]
+    replicated_extra = sum(
+        v["bytes_per_device"] - v["params"] / n for v in by.values() if v["placement"] == "replicated"
+    )
     detail_extra = c["non_expert_bytes_per_device"] - c["non_expert_int8_flat_bytes_per_device"]
-    ctx = c["context_set_by_component"]
-    return [
-        _row("total parameters", c["total_params"], r["total_params"], None,
-             "different config shapes than the release", "params"),
-        _row("routed-expert parameters", c["routed_expert_params"], r["routed_expert_params"], None,
-             "different config shapes than the release", "params"),
-        _row("routed-expert share", 100 * c["routed_expert_share"], r["routed_expert_share_pct"], 1, "-", "%"),
-        _row("routed experts as GGUF blocks", _gb(c["routed_gguf_bytes"]), r["routed_gguf_gb"], 2,
-             "the expert table differs from UD-IQ3_XXS", "GB"),
-        _row("routed experts as planes (all devices)", _gb(c["routed_planes_bytes"]), r["routed_planes_gb"], 2,
-             "different plane padding", "GB"),
-        _row("plane growth per device", c["routed_planes_growth_bytes"] / c["config"]["devices"] / 1e6,
-             r["planes_growth_mb_per_device"], 0, "different plane padding", "MB"),
-        _row("non-expert parameters", c["non_expert_params"] / 1e9, r["non_expert_params_b"], 3,
-             "different config shapes", "B"),
-        _row("non-expert per device, 1 byte/param split evenly (article rule)",
-             _gb(c["non_expert_int8_flat_bytes_per_device"]), r["non_expert_gb_per_device"], 2, "-", "GB"),
-        _row("non-expert per device, per-class rule (STORAGE)", _gb(c["non_expert_bytes_per_device"]),
-             r["non_expert_gb_per_device"], 2,
-             f"+{_gb(detail_extra):.3f} GB over the article's rule: {_gb(replicated_extra):.3f} GB because the "
-             f"router ({_gb(by.get('router', {}).get('bytes_per_device', 0)):.3f} GB) and mHC fn "
-             f"({_gb(by.get('mhc_fn', {}).get('bytes_per_device', 0)):.3f} GB) are held whole in bf16 on every "
-             f"device (norms, biases in f32) instead of 1/{n} at 1 byte; "
-             f"{_gb(detail_extra - replicated_extra):.3f} GB for the f32 per-channel int8 scales and the f32 KDA "
-             "vectors", "GB"),
-        _row("vision parameters", c["vision_params"] / 1e9, r["vision_params_b"], 3, "different vision config", "B"),
-        _row("vision per device (bf16)", _gb(c["vision_bytes_per_device"]), r["vision_gb_per_device"], 3,
-             "vision tower not loaded (--novision)", "GB"),
-        _row("weights per device, article method (planes + 1 B/param + vision)", _gb(article_sum),
-             r["weights_gb_per_device"], 2,
-             f"the article's three itemised figures ({r['routed_planes_gb']}/8 + {r['non_expert_gb_per_device']} + "
-             f"{r['vision_gb_per_device']}) add up to {r['routed_planes_gb'] / 8 + r['non_expert_gb_per_device'] + r['vision_gb_per_device']:.2f}"
-             f", as ours do; its {r['weights_gb_per_device']} holds "
-             f"{r['weights_gb_per_device'] - _gb(article_sum):.2f} GB it does not itemise", "GB"),
-        _row("prior art's printed use minus the article-method weights (residual)",
-             r["hbm_used_gb"] - _gb(article_sum), r["residual_gb"], 2,
-             f"follows from the line above: {r['hbm_used_gb']} - {_gb(article_sum):.2f} (the article subtracts "
-             f"its {r['weights_gb_per_device']})", "GB"),
-        _row("weights per device, per-class rule", _gb(itemised), r["hbm_used_gb"], 1,
-             f"the remaining {_gb(residual):.3f} GB of the printed figure is taken as workspace (XLA's footprint)",
-             "GB"),
-        _row("one 262k-token context set per device", _gb(c["context_set_bytes_per_device"]),
-             r["context_set_gb_per_device"], 2,
-             "cache layout differs from the prior art's (int8 latent + pooled keys)", "GB")
-        | dict(detail=f"KDA state {_gb(ctx['kda_state']):.4f} + conv {_gb(ctx['kda_conv']):.4f} + MLA latent "
-                      f"{_gb(ctx['mla_latent']):.4f} + pooled keys {_gb(ctx['indexer_pooled_keys']):.4f} + open-pool "
-                      f"keys/gates {_gb(ctx['indexer_keys_gates']):.6f} GB; per-token keys and gates at full length "
-                      f"would make it {_gb(c['context_set_alternatives']['indexer_full']):.3f} GB, a bf16 latent "
-                      f"{_gb(c['context_set_alternatives']['latent_bf16']):.3f} GB"),
+    router, mhc_fn = (_gb(by.get(k, {}).get("bytes_per_device", 0)) for k in ("router", "mhc_fn"))
+    items = r["routed_planes_gb"] / 8 + r["non_expert_gb_per_device"] + r["vision_gb_per_device"]
+    ctx, alt = c["context_set_by_component"], c["context_set_alternatives"]
+    shapes = "different config shapes than the release"
+    why_non_expert = (
+        f"+{_gb(detail_extra):.3f} GB over the article's rule: {_gb(replicated_extra):.3f} GB because the "
+        f"router ({router:.3f} GB) and mHC fn ({mhc_fn:.3f} GB) are held whole in bf16 on every device "
+        f"(norms, biases in f32) instead of 1/{n} at 1 byte; {_gb(detail_extra - replicated_extra):.3f} GB "
+        "for the f32 per-channel int8 scales and the f32 KDA vectors"
+    )
+    why_sum = (
+        f"the article's three itemised figures ({r['routed_planes_gb']}/8 + {r['non_expert_gb_per_device']} "
+        f"+ {r['vision_gb_per_device']}) add up to {items:.2f}, as ours do; its {r['weights_gb_per_device']} "
+        f"holds {r['weights_gb_per_device'] - _gb(article_sum):.2f} GB it does not itemise"
+    )
+    why_residual = (
+        f"follows from the line above: {r['hbm_used_gb']} - {_gb(article_sum):.2f} (the article subtracts "
+        f"its {r['weights_gb_per_device']})"
+    )
+    why_printed = (
+        f"the remaining {_gb(residual):.3f} GB of the printed figure is taken as workspace (XLA's footprint)"
+    )
+    detail_ctx = (
+        f"KDA state {_gb(ctx['kda_state']):.4f} + conv {_gb(ctx['kda_conv']):.4f} + MLA latent "
+        f"{_gb(ctx['mla_latent']):.4f} + pooled keys {_gb(ctx['indexer_pooled_keys']):.4f} + open-pool "
+        f"keys/gates {_gb(ctx['indexer_keys_gates']):.6f} GB; per-token keys and gates at full length would "
+        f"make it {_gb(alt['indexer_full']):.3f} GB, a bf16 latent {_gb(alt['latent_bf16']):.3f} GB"
+    )
+    rows = [  # (quantity, ours, reference, decimals, why it would differ, unit)
+        ("total parameters", c["total_params"], r["total_params"], None, shapes, "params"),
+        ("routed-expert parameters", c["routed_expert_params"], r["routed_expert_params"], None, shapes,
+         "params"),
+        ("routed-expert share", 100 * c["routed_expert_share"], r["routed_expert_share_pct"], 1, shapes, "%"),
+        ("routed experts as GGUF blocks", _gb(c["routed_gguf_bytes"]), r["routed_gguf_gb"], 2,
+         "the expert table differs from UD-IQ3_XXS", "GB"),
+        ("routed experts as planes (all devices)", _gb(c["routed_planes_bytes"]), r["routed_planes_gb"], 2,
+         "different plane padding", "GB"),
+        ("plane growth per device", c["routed_planes_growth_bytes"] / n / 1e6,
+         r["planes_growth_mb_per_device"], 0, "different plane padding", "MB"),
+        ("non-expert parameters", c["non_expert_params"] / 1e9, r["non_expert_params_b"], 3, shapes, "B"),
+        ("non-expert per device, 1 byte/param split evenly (article rule)",
+         _gb(c["non_expert_int8_flat_bytes_per_device"]), r["non_expert_gb_per_device"], 2, shapes, "GB"),
+        ("non-expert per device, per-class rule (STORAGE)", _gb(c["non_expert_bytes_per_device"]),
+         r["non_expert_gb_per_device"], 2, why_non_expert, "GB"),
+        ("vision parameters", c["vision_params"] / 1e9, r["vision_params_b"], 3, "different vision config",
+         "B"),
+        ("vision per device (bf16)", _gb(c["vision_bytes_per_device"]), r["vision_gb_per_device"], 3,
+         "vision tower not loaded (--novision)", "GB"),
+        ("weights per device, article method (planes + 1 B/param + vision)", _gb(article_sum),
+         r["weights_gb_per_device"], 2, why_sum, "GB"),
+        ("prior art's printed use minus the article-method weights (residual)",
+         r["hbm_used_gb"] - _gb(article_sum), r["residual_gb"], 2, why_residual, "GB"),
+        ("weights per device, per-class rule", _gb(itemised), r["hbm_used_gb"], 1, why_printed, "GB"),
+        ("one 262k-token context set per device", _gb(c["context_set_bytes_per_device"]),
+         r["context_set_gb_per_device"], 2, "cache layout differs from the prior art's", "GB"),
     ]  # fmt: skip
+    out_rows = [_row(*row) for row in rows]
+    out_rows[-1]["detail"] = detail_ctx
+    return out_rows
 
 
-def ladder_table(cfg: ModelConfig, devices: int, hbm: int, rest: int, ctx: int, streams: int, layout: str) -> list:
-    """One row per expert mix: GGUF GB, bits/weight, experts per device, total per device, fits, max streams."""
+def ladder_table(
+    cfg: ModelConfig, devices: int, hbm: int, rest: int, ctx: int, streams: int, layout: str
+) -> list:
+    """One row per expert mix: GGUF GB, bits/weight, experts per device, total per device, fits, max
+    streams."""
     rows = []
     for name in expert_mix_names():
         try:
@@ -478,13 +578,24 @@ def ladder_table(cfg: ModelConfig, devices: int, hbm: int, rest: int, ctx: int, 
         except ValueError as e:
             rows.append(dict(name=name, error=str(e)))
             continue
-        n_weights = sum(math.prod(qbudget.expert_shape(m, cfg.n_routed_experts, cfg.hidden_size,
-                                                       cfg.moe_intermediate_size)) for (_, m) in mix)  # fmt: skip
+        n_weights = sum(
+            math.prod(
+                qbudget.expert_shape(m, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+            )
+            for (_, m) in mix
+        )
         total = mb.per_device + rest + streams * ctx
-        rows.append(dict(
-            name=name, label=label, gguf_bytes=mb.gguf, bits_per_weight=8 * mb.gguf / n_weights,
-            experts_bytes_per_device=mb.per_device, total_bytes_per_device=total, fits=total <= hbm,
-            experts_alone_fit=mb.per_device <= hbm,
-            max_streams=max(0, (hbm - mb.per_device - rest) // ctx) if ctx else None,
-        ))  # fmt: skip
+        rows.append(
+            dict(
+                name=name,
+                label=label,
+                gguf_bytes=mb.gguf,
+                bits_per_weight=8 * mb.gguf / n_weights,
+                experts_bytes_per_device=mb.per_device,
+                total_bytes_per_device=total,
+                fits=total <= hbm,
+                experts_alone_fit=mb.per_device <= hbm,
+                max_streams=max(0, (hbm - mb.per_device - rest) // ctx) if ctx else None,
+            )
+        )
     return sorted(rows, key=lambda r: r.get("experts_bytes_per_device", math.inf))

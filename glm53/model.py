@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from glm53 import dims
-from glm53.config import ModelConfig
+from glm53.config import ModelConfig, QuantConfig
 from glm53.layers.block import DecoderLayer
 from glm53.layers.linear import Linear
 from glm53.layers.mtp import MTPBlock
@@ -55,6 +55,8 @@ class Glm53Model(nnx.Module):
       dtype: parameter (and compute) dtype.
       kernels: implementation per kernel op, e.g. {"kda": "reference", "moe": "reference"}.
       with_mtp: build the MTP block when cfg.num_nextn_predict_layers > 0.
+      quant: routed-expert storage (QuantizedExperts per glm53.quant.qweight.expert_formats) and, unless
+        `kernels` names one, the "moe" implementation (quant.moe_impl).
     """
 
     def __init__(
@@ -65,18 +67,24 @@ class Glm53Model(nnx.Module):
         dtype=jnp.float32,
         kernels: dict[str, str] | None = None,
         with_mtp: bool = True,
+        quant: QuantConfig | None = None,
     ):
         self.cfg = cfg
         self.dtype = dtype
+        if quant is not None:
+            kernels = {"moe": quant.moe_impl, **(kernels or {})}
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs, dtype=dtype)
         self.layers = nnx.List(
-            [DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, kernels=kernels) for i in range(cfg.num_hidden_layers)]
+            [
+                DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, kernels=kernels, quant=quant)
+                for i in range(cfg.num_hidden_layers)
+            ]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs, dtype=dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, (dims.EMBED, dims.VOCAB), rngs=rngs, dtype=dtype)
         mtp = None
         if with_mtp and cfg.num_nextn_predict_layers > 0:
-            mtp = MTPBlock(cfg, rngs=rngs, dtype=dtype, kernels=kernels)
+            mtp = MTPBlock(cfg, rngs=rngs, dtype=dtype, kernels=kernels, quant=quant)
         self.mtp = nnx.data(mtp)
 
     # ------------------------------------------------------------------------------------------------ caches

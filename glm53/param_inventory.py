@@ -1,22 +1,23 @@
-"""Parameter inventory of GLM-5.3-Flash from the config alone: every tensor's path, shape and logical axes, the
-tensor class it belongs to, and the parameter counts the memory budget and the audit article use.
+"""Parameter inventory of GLM-5.3-Flash from the config alone: every tensor's path, shape and logical axes,
+the tensor class it belongs to, and the parameter counts the memory budget and the audit article use.
 
-Two independent routes to the same inventory (tests/test_memory_budget.py checks they agree tensor by tensor):
+Two independent routes to the same inventory (tests/test_memory_budget.py checks they agree per tensor):
   * `param_inventory(cfg)`       -- arithmetic from the config, names mirroring the `Glm53Model` module tree;
-  * `model_param_inventory(cfg)` -- the real module tree built abstractly with `nnx.eval_shape` (no allocation).
+  * `model_param_inventory(cfg)` -- the real module tree built abstractly with `nnx.eval_shape`.
 The vision tower (not ported; it only costs memory) is `vision_inventory(vcfg)`, named as transformers'
 `Glm5NextVisionModel` so a test can compare it with that module built on the meta device.
 
 What the counts mean (release config):
-  text trunk       = embedding + layers 0..44 + final norm                          312,692,423,486
-  lm_head          = the untied output matrix                                            634,388,480
-  MTP              = layer 45 (eh_proj, 5 norms, a DSA attention, a MoE; shares embedding / lm_head) 7,432,592,416
-  vision           = the 24-block ViT, patch embed, downsample conv and merger         563,627,008
-  total            = trunk + lm_head + MTP + vision                                 321,323,031,390
-  routed experts   = gate/up/down of the 288 experts in the 42 MoE layers of the trunk 304,405,807,104
-  non-expert       = trunk + lm_head - routed experts (the article's 8.921B: layers 0..44 with the shared
-                     experts, routers, mHC and norms, plus embedding, lm_head and final norm; NOT the MTP
-                     block and NOT vision)                                             8,921,004,862
+  text trunk      embedding + layers 0..44 + final norm                              312,692,423,486
+  lm_head         the untied output matrix                                               634,388,480
+  MTP             layer 45: eh_proj, 5 norms, a DSA attention, a MoE (shares embedding and lm_head)
+                                                                                       7,432,592,416
+  vision          the 24-block ViT, patch embed, downsample conv and merger              563,627,008
+  total           trunk + lm_head + MTP + vision                                     321,323,031,390
+  routed experts  gate/up/down of the 288 experts in the 42 MoE layers of the trunk  304,405,807,104
+  non-expert      trunk + lm_head - routed experts                                     8,921,004,862
+                  (the article's 8.921B: layers 0..44 with the shared experts, routers, mHC and norms,
+                  plus embedding, lm_head and final norm; NOT the MTP block and NOT vision)
 """
 
 from __future__ import annotations
@@ -107,7 +108,11 @@ def _dsa(path: str, cfg: ModelConfig, with_indexer: bool) -> list[Tensor]:
         *_linear(f"{path}.kv_a_proj", d, cfg.kv_lora_rank, dims.EMBED, dims.KV_LORA),
         *_norm(f"{path}.kv_a_layernorm", cfg.kv_lora_rank),
         *_linear(
-            f"{path}.kv_b_proj", cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), dims.KV_LORA, dims.HEADS
+            f"{path}.kv_b_proj",
+            cfg.kv_lora_rank,
+            h * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+            dims.KV_LORA,
+            dims.HEADS,
         ),
         *_linear(f"{path}.o_proj", h * cfg.v_head_dim, d, dims.HEADS, dims.EMBED),
     ]
@@ -174,14 +179,23 @@ def param_inventory(cfg: ModelConfig, *, with_mtp: bool = True) -> list[Tensor]:
 
 
 def model_param_inventory(cfg: ModelConfig, *, with_mtp: bool = True) -> list[Tensor]:
-    """Every parameter of the real `Glm53Model(cfg)` module tree, built with `nnx.eval_shape` (nothing allocated)."""
+    """Every parameter of the real `Glm53Model(cfg)` module tree, built with `nnx.eval_shape` (nothing is
+    allocated; ~3 s for the release config)."""
     import jax.numpy as jnp
     from flax import nnx
 
     from glm53.layers.param import logical_axes
     from glm53.model import Glm53Model
 
-    model = nnx.eval_shape(lambda: Glm53Model(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, with_mtp=with_mtp))
+    def build():
+        # The RNG counter is held as a Ref: with a plain Variable every `rngs.params()` under tracing makes
+        # flax compare the tracer's `.sharding`, which walks the whole jaxpr so far (quadratic: ~20-50 s for
+        # the release model instead of ~3 s).
+        with nnx.var_defaults(ref=True):
+            rngs = nnx.Rngs(0)
+        return Glm53Model(cfg, rngs=rngs, dtype=jnp.bfloat16, with_mtp=with_mtp)
+
+    model = nnx.eval_shape(build)
     out = []
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         value = var.get_value()
@@ -199,7 +213,11 @@ def vision_inventory(v: VisionConfig) -> list[Tensor]:
     head = h // v.num_heads
     bias = v.attention_bias
     out = [
-        _t("patch_embed.proj.weight", (h, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size), ()),
+        _t(
+            "patch_embed.proj.weight",
+            (h, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size),
+            (),
+        ),
         _t("patch_embed.proj.bias", (h,), ()),
     ]
 
@@ -214,8 +232,15 @@ def vision_inventory(v: VisionConfig) -> list[Tensor]:
         out += lin(f"{q}.mlp.gate_proj", i, h, bias) + lin(f"{q}.mlp.up_proj", i, h, bias)
         out += lin(f"{q}.mlp.down_proj", h, i, bias)
     out += lin("merger.proj", o, o, False)
-    out += [_t("merger.post_projection_norm.weight", (o,), ()), _t("merger.post_projection_norm.bias", (o,), ())]
-    out += lin("merger.gate_proj", p, o, False) + lin("merger.up_proj", p, o, False) + lin("merger.down_proj", o, p, False)
+    out += [
+        _t("merger.post_projection_norm.weight", (o,), ()),
+        _t("merger.post_projection_norm.bias", (o,), ()),
+    ]
+    out += (
+        lin("merger.gate_proj", p, o, False)
+        + lin("merger.up_proj", p, o, False)
+        + lin("merger.down_proj", o, p, False)
+    )
     m = v.spatial_merge_size
     out += [_t("downsample.weight", (o, h, m, m), ()), _t("downsample.bias", (o,), ())]
     out.append(_t("post_layernorm.weight", (h,), ()))
@@ -238,7 +263,10 @@ _CLASS_RULES: tuple[tuple[str, object], ...] = (
     ("router_bias", lambda p: p.endswith(".router.e_score_correction_bias")),
     ("mhc_fn", lambda p: p.endswith("_hc.fn")),
     ("mhc_vectors", lambda p: p.endswith("_hc.base") or p.endswith("_hc.scale")),
-    ("norms", lambda p: any(p.endswith(f"{s}.{w}") for s in ("norm", "layernorm") for w in ("weight", "bias"))),
+    (
+        "norms",
+        lambda p: any(p.endswith(f"{s}.{w}") for s in ("norm", "layernorm") for w in ("weight", "bias")),
+    ),
     ("kda_vectors", lambda p: p.endswith((".dt_bias", ".A_log", "_conv.weight"))),
     ("indexer_ape", lambda p: p.endswith(".indexer.compress_ape")),
     ("indexer", lambda p: ".indexer." in p),
@@ -271,7 +299,8 @@ def tensor_group(path: str) -> str:
 def param_counts(cfg: ModelConfig, inventory: list[Tensor] | None = None) -> dict:
     """Parameter counts: totals per group, routed experts, non-expert (the article's definition), per class.
 
-    `inventory` defaults to `param_inventory(cfg)`; pass `model_param_inventory(cfg)` to count the module tree.
+    `inventory` defaults to `param_inventory(cfg)`; pass `model_param_inventory(cfg)` to count the module
+    tree.
     """
     inv = param_inventory(cfg) if inventory is None else inventory
     group = {"trunk": 0, "lm_head": 0, "mtp": 0}

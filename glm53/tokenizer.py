@@ -60,9 +60,13 @@ def _jinja_env():
         raise TokenizerError(f"chat template: {message}")
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
@@ -126,9 +130,13 @@ class HFTokenizer:
             try:
                 self._compiled = _jinja_env().from_string(self.chat_template)
             except jinja2.TemplateSyntaxError as e:
-                raise TokenizerError(f"{self.folder}: chat template syntax error line {e.lineno}: {e}") from None
+                raise TokenizerError(
+                    f"{self.folder}: chat template syntax error line {e.lineno}: {e}"
+                ) from None
         scope = {**self.special_tokens, **kwargs}
-        return self._compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **scope)
+        return self._compiled.render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **scope
+        )
 
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
                             tokenize: bool = True, **kwargs) -> list[int] | str:  # fmt: skip
@@ -178,7 +186,9 @@ def _read_json(path: str) -> dict:
     return d
 
 
-def load_tokenizer(folder: str | os.PathLike | None, vocab_size: int | None = None) -> HFTokenizer | ByteTokenizer:
+def load_tokenizer(
+    folder: str | os.PathLike | None, vocab_size: int | None = None
+) -> HFTokenizer | ByteTokenizer:
     """The folder's tokenizer (``tokenizer.json``), else a `ByteTokenizer` of `vocab_size` (default: the
     ``vocab_size`` in the folder's config.json)."""
     if folder is not None and os.path.exists(os.path.join(folder, "tokenizer.json")):

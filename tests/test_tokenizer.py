@@ -67,7 +67,11 @@ def _write_folder(path, template_in_config=True):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
     tok.train_from_iterator(TRAIN, trainer)
     tok.save(str(path / "tokenizer.json"))
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+    }
     if template_in_config:
         cfg["chat_template"] = TEMPLATE
     else:
@@ -127,7 +131,9 @@ def test_plain_glm_format_without_template(tmp_path):
     text = tok.apply_chat_template(msgs, tokenize=False)
     assert text == "[gMASK]<sop><|system|>S<|user|>Hi<|assistant|>"
     assert glm_chat_text(msgs, add_generation_prompt=False) == "[gMASK]<sop><|system|>S<|user|>Hi"
-    assert tok.apply_chat_template(msgs)[:3] == [tok.token_to_id(t) for t in ("[gMASK]", "<sop>", "<|system|>")]
+    assert tok.apply_chat_template(msgs)[:3] == [
+        tok.token_to_id(t) for t in ("[gMASK]", "<sop>", "<|system|>")
+    ]
     with pytest.raises(TokenizerError, match="unknown role"):
         glm_chat_text([{"role": "narrator", "content": "x"}])
 
@@ -141,6 +147,8 @@ def test_byte_fallback(tmp_path):
     assert tok.encode("é") == [0xC3 % 128, 0xA9 % 128]  # lossy below 256: documented
     big = ByteTokenizer(300)
     assert big.decode(big.encode("你好 é")) == "你好 é"
-    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == list(b"[gMASK]<sop><|user|>x<|assistant|>")
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == list(
+        b"[gMASK]<sop><|user|>x<|assistant|>"
+    )
     with pytest.raises(TokenizerError, match="no tokenizer.json"):
         load_tokenizer(tmp_path / "nowhere")

@@ -163,24 +163,37 @@ def dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], key
                            f"{tuple(w.shape)} with {block[0]}x{block[1]} blocks (expected {want})")  # fmt: skip
     from glm53.quant.fp8 import dequantize_fp8
 
-    return np.asarray(dequantize_fp8(w, scale_inv.astype(np.float32), block_size=block), dtype=np.float32)
+    with jax.default_device(_host_device()):
+        return np.asarray(dequantize_fp8(w, scale_inv, block=block, dtype=np.float32, name=key))
+
+
+def _host_device():
+    """The CPU device (host-side dequantization), or the default device where jax has no CPU backend."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return None
 
 
 class _Loader:
     """State of one load: abstract targets, finished values, expert buffers, FP8 pairs, problems."""
 
-    def __init__(self, targets, cfg, quant: QuantInfo, int8_select, put, report: LoadReport):
+    def __init__(self, targets, cfg, quant: QuantInfo, int8_select, put, report: LoadReport,
+                 skipped: frozenset = frozenset()):  # fmt: skip
         self.targets: dict[Path, jax.ShapeDtypeStruct] = targets
+        self.skipped = (
+            skipped  # params filled elsewhere (load_hf_weights(skip=...)): neither read nor required
+        )
+        self._prefixes: tuple[set, set] | None = None
         self.cfg, self.quant, self.int8_select, self.put, self.report = cfg, quant, int8_select, put, report
         self.values: dict[Path, object] = {}
         self.sources: dict[Path, str] = {}
-        self.experts: dict[
-            Path, tuple[np.ndarray, np.ndarray, str]
-        ] = {}  # path -> (buf, filled[E], first key)
-        self.fp8_weights: dict[
-            str, tuple[Mapped, np.ndarray, str]
-        ] = {}  # weight key -> waiting for its scale
-        self.scales: dict[str, tuple[np.ndarray, str]] = {}  # weight key -> scale waiting for its weight
+        # Stacked expert params being filled: path -> (buffer [E, ...], filled [E], first key).
+        self.experts: dict[Path, tuple[np.ndarray, np.ndarray, str]] = {}
+        # FP8 weights waiting for their scale, and scales waiting for their weight (keyed by the weight's key).
+        self.fp8_weights: dict[str, tuple[Mapped, np.ndarray, str]] = {}
+        self.scales: dict[str, tuple[np.ndarray, str]] = {}
+        self.rejected: set[str] = set()  # FP8 weights already reported (their scales are dropped silently)
         self.problems: dict[str, list[str]] = collections.defaultdict(list)
         self.num_mtp = 1 if any(p[0] == "mtp" for p in targets) else 0
 
@@ -214,6 +227,11 @@ class _Loader:
             if not isinstance(pc, Mapped):
                 self.problems["unexpected"].append(f"{key} ({fname}): scale of '{partner}', {pc.reason}")
                 return
+            if self._skipped(pc):
+                self.report.ignored[_SKIPPED] += 1
+                return
+            if partner in self.rejected:
+                return
             scale = self._read(sf, key)
             if partner in self.fp8_weights:
                 mapped, w, wfile = self.fp8_weights.pop(partner)
@@ -231,8 +249,13 @@ class _Loader:
         if not isinstance(c, Mapped):
             self.problems["unexpected"].append(f"{key} ({fname}): {c.reason}")
             return
+        if self._skipped(c):
+            self.report.ignored[_SKIPPED] += 1
+            return
         if dt == FP8_DTYPE:
             if self.quant.excluded(_module_name(key)):
+                self.rejected.add(key)  # its scale is not reported again
+                self.scales.pop(key, None)
                 self.problems["dtype"].append(f"{key} ({fname}): stored as {dt} but its module is listed in "
                                               "quantization_config.modules_to_not_convert")  # fmt: skip
                 return
@@ -248,6 +271,17 @@ class _Loader:
                                           f"{FLOAT_DTYPES + (FP8_DTYPE,)})")  # fmt: skip
             return
         self.place(c, self._read(sf, key), fname)
+
+    def _skipped(self, mapped: Mapped) -> bool:
+        """Whether every parameter the key can map onto is skipped (then its bytes are not even read)."""
+        if not self.skipped:
+            return False
+        if self._prefixes is None:  # (prefixes of skipped params, prefixes of loaded params)
+            self._prefixes = tuple(
+                {p[:i] for p in ps for i in range(len(p) + 1)} for ps in (self.skipped, self.targets)
+            )
+        prefix = mapped.target_prefix()
+        return prefix in self._prefixes[0] and prefix not in self._prefixes[1]
 
     def _read(self, sf: SafetensorsFile, key: str) -> np.ndarray:
         a = sf.read(key)
@@ -274,6 +308,8 @@ class _Loader:
             self.problems["shape"].append(f"{where}: {e}")
             return
         for p in placements:
+            if p.path in self.skipped:
+                continue
             target = self.targets.get(p.path)
             name = path_str(p.path)
             if target is None:
@@ -385,6 +421,7 @@ def _default_put(path: Path, value: np.ndarray, sharding) -> jax.Array:
     return jnp.asarray(value)
 
 
+_SKIPPED = "parameters filled from elsewhere (skip)"
 _ORDER = ("file", "missing", "unexpected", "shape", "dtype", "fp8", "duplicate")
 
 
@@ -410,18 +447,23 @@ def load_hf_weights(
     int8_min_size: int = 1 << 20,
     int8_filter: Callable[[Path, tuple[int, ...]], bool] | None = None,
     put: Callable[[Path, np.ndarray, object], jax.Array] | None = None,
+    skip: Callable[[Path], bool] | None = None,
 ) -> tuple[nnx.Module, LoadReport]:
     """Fills the Params of `abstract_model` (from `nnx.eval_shape`) from the safetensors files in `folder`.
 
     cfg: the ModelConfig (layer count, MTP). int8: store the kernels chosen by `int8_filter` (default: 2-D Linear
     kernels with >= int8_min_size weights, not the router) as `Int8Weight`. put(path, host_value, sharding):
     how a host array becomes a device array (default: `jax.device_put` with the abstract value's sharding).
+    skip(path): parameters filled from elsewhere (e.g. routed experts from a GGUF): not required, keys that map
+    only onto them are not read, and they stay abstract in the returned model.
     Returns (model, report); raises `CheckpointError` listing every problem.
     """
     folder = os.fspath(folder)
     graphdef, state = nnx.split(abstract_model)
     flat = list(nnx.to_flat_state(state))
     targets = {tuple(p): v.get_value() for p, v in flat if isinstance(v, nnx.Param)}
+    skipped = frozenset(p for p in targets if skip is not None and skip(p))
+    targets = {p: v for p, v in targets.items() if p not in skipped}
     others = [path_str(p) for p, v in flat if not isinstance(v, nnx.Param)]
     if others:
         raise CheckpointError(f"model has non-Param variables that a checkpoint cannot fill: {others[:10]}")
@@ -434,7 +476,7 @@ def load_hf_weights(
     else:
         select = int8_filter if int8 else (lambda *a: False)
     report = LoadReport()
-    loader = _Loader(targets, cfg, read_quant_info(folder), select, put or _default_put, report)
+    loader = _Loader(targets, cfg, read_quant_info(folder), select, put or _default_put, report, skipped)
     for f in shard_files(folder):
         _log.info("reading %s", f)
         report.files.append(f)
@@ -443,7 +485,8 @@ def load_hf_weights(
     if loader.problems:
         _raise(folder, loader.problems)
     for path, var in flat:
-        var.set_value(loader.values[tuple(path)])
+        if tuple(path) not in skipped:
+            var.set_value(loader.values[tuple(path)])
     _log.info("loaded %s: %s", folder, report.summary())
     return nnx.merge(graphdef, state), report
 

@@ -175,6 +175,14 @@ class Mapped:
         tgt = self.rule.target.format(**g)
         return [Placement(self.base + parse_path(t), v, e) for t, v, e in self.rule.transform(a, tgt, g)]
 
+    def target_prefix(self) -> Path:
+        """The longest path prefix shared by every parameter this key can fill (known before reading it)."""
+        g = {k.rstrip("2"): v for k, v in self.groups.items() if v is not None}
+        tgt = self.rule.target.format(**g)
+        if "{" in tgt:  # keep only the whole path components before the first placeholder
+            tgt = tgt.split("{", 1)[0].rpartition(".")[0]
+        return self.base + (parse_path(tgt) if tgt else ())
+
 
 @dataclasses.dataclass(frozen=True)
 class Ignored:

@@ -50,7 +50,8 @@ _MAX_HEADER = 100 * 1024 * 1024  # the format's own limit
 
 
 class SafetensorsFile:
-    """One safetensors file: validated header on open, tensors read on demand with `read(name)`."""
+    """One safetensors file: header validated on open, tensors read on demand with `read(name)` (a tensor whose
+    bytes lie past the end of a truncated file fails on read, naming it; the others stay readable)."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
@@ -103,12 +104,6 @@ class SafetensorsFile:
             raise self._err(
                 f"data offsets [{begin}, {end}) do not match {dtype} {list(shape)} ({nbytes} bytes)", name
             )
-        if self._data_start + end > self.size:
-            raise self._err(
-                f"data [{self._data_start + begin}, {self._data_start + end}) runs past the end of the file "
-                f"({self.size} bytes): the file is truncated",
-                name,
-            )
         return dtype, shape, begin, end
 
     def keys(self) -> list[str]:
@@ -126,6 +121,12 @@ class SafetensorsFile:
         if name not in self.tensors:
             raise self._err("no such tensor", name)
         dtype, shape, begin, end = self.tensors[name]
+        if self._data_start + end > self.size:
+            raise self._err(
+                f"data [{self._data_start + begin}, {self._data_start + end}) runs past the end of the file "
+                f"({self.size} bytes): the file is truncated",
+                name,
+            )
         out = np.empty(shape, DTYPES[dtype])
         buf = memoryview(out.reshape(-1).view(np.uint8))
         try:

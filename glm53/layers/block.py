@@ -21,7 +21,9 @@ class DecoderLayer(nnx.Module):
     ffn sublayer:        u, post, comb = ffn_hc(x);  y = mlp(post_attention_layernorm(u)); x = ffn_hc.expand(...)
     """
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, *, rngs: nnx.Rngs, dtype=jnp.float32, kernels=None):
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, *, rngs: nnx.Rngs, dtype=jnp.float32, kernels=None, quant=None
+    ):
         kernels = kernels or {}
         self.layer_idx = layer_idx
         self.attn_kind = cfg.layer_types[layer_idx]
@@ -41,7 +43,10 @@ class DecoderLayer(nnx.Module):
         if self.mlp_kind == "dense":
             self.mlp = MLP(cfg, rngs=rngs, dtype=dtype)
         else:
-            self.mlp = MoE(cfg, rngs=rngs, dtype=dtype, implementation=kernels.get("moe", "reference"))
+            self.mlp = MoE(
+                cfg, rngs=rngs, dtype=dtype, implementation=kernels.get("moe", "reference"), quant=quant,
+                layer_idx=layer_idx,
+            )  # fmt: skip
 
     def init_cache(self, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32):
         if self.attn_kind == "kda":

@@ -16,8 +16,8 @@ class ShortConv(nnx.Module):
     Weight index K-1 multiplies the current token (PyTorch ``F.conv1d(padding=K-1)[..., :T]`` semantics; HF
     ``conv1d.weight [C, 1, K]`` is ``weight.T``). Tokens before the sequence start come from ``conv_state``:
     the last K-1 *pre-conv* inputs (zeros for a fresh sequence). ``activation`` is applied to the conv output
-    ("silu" as in KDA, or None). The conv and activation run in f32 (the weight is kept f32, as in transformers);
-    y is cast back to x.dtype.
+    ("silu" as in KDA, or None). The conv and activation run in f32 (the weight is kept f32, as in
+    transformers); y is cast back to x.dtype.
     """
 
     def __init__(
@@ -53,7 +53,9 @@ class ShortConv(nnx.Module):
         if conv_state is None:
             conv_state = jnp.zeros((B, K - 1, C), x_btc.dtype)
         elif conv_state.shape != (B, K - 1, C):
-            raise ValueError(f"ShortConv: conv_state must be [B={B}, K-1={K - 1}, C={C}], got {conv_state.shape}")
+            raise ValueError(
+                f"ShortConv: conv_state must be [B={B}, K-1={K - 1}, C={C}], got {conv_state.shape}"
+            )
         xx = jnp.concatenate([conv_state.astype(x_btc.dtype), x_btc], axis=1)  # [B, K-1+T, C]
         new_state = xx[:, T:].astype(conv_state.dtype)
         xf = xx.astype(jnp.float32)

@@ -1,7 +1,7 @@
 """KDA attention layer (Kimi Delta Attention, GLM-5.3 checkpoint flavour) and its decode cache.
 
-Per token (architecture.md section 3): q/k/v projections -> causal short conv + SiLU -> per-head L2 norm of q, k
-(eps 1e-6 inside the sqrt) -> gated delta rule with per-channel forget gate
+Per token (architecture.md section 3): q/k/v projections -> causal short conv + SiLU -> per-head L2 norm of
+q, k (eps 1e-6 inside the sqrt) -> gated delta rule with per-channel forget gate
 g = lower_bound * sigmoid(exp(A_log) * (f_b(f_a(u)) + dt_bias)) and beta = sigmoid(b_proj(u)) -> per-head
 RMSNorm of the output gated by sigmoid(g_b(g_a(u))) (f32) -> o_proj.
 
@@ -39,7 +39,7 @@ class KDACache:
 
     @classmethod
     def init_cache(cls, cfg: ModelConfig, batch: int, max_len: int = 0, dtype=jnp.float32) -> KDACache:
-        """Zero cache for `batch` streams. `max_len` is accepted for a uniform signature (KDA state is O(1))."""
+        """Zero cache for `batch` streams; `max_len` is unused (uniform signature; KDA state is O(1))."""
         del max_len
         H, d, K = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim
         return cls(
@@ -134,8 +134,8 @@ class KDA(nnx.Module):
         expect = (B, self.cfg.linear_conv_kernel_dim - 1, 3 * HD)
         if cache.conv_state.shape != expect or cache.state.shape != (B, H, d, d):
             raise ValueError(
-                f"KDA: cache shapes conv_state {cache.conv_state.shape}, state {cache.state.shape} do not match "
-                f"input batch {B} (want conv_state {expect}, state {(B, H, d, d)})"
+                f"KDA: cache shapes conv_state {cache.conv_state.shape}, state {cache.state.shape} do not "
+                f"match input batch {B} (want conv_state {expect}, state {(B, H, d, d)})"
             )
         conv_state, state = cache.conv_state, cache.state.astype(jnp.float32)
         if start_b is not None:

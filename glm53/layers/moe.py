@@ -7,9 +7,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm53 import dims
-from glm53.config import ModelConfig
+from glm53.config import ModelConfig, QuantConfig
 from glm53.layers.mlp import MLP
 from glm53.layers.param import param
+from glm53.quant.qweight import QuantizedExperts, expert_formats
 from kernels.moe import api as moe_api
 
 
@@ -59,17 +60,39 @@ class Router(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """Routed experts: gate_proj, up_proj [E, D, F]; down_proj [E, F, D] (per-expert kernels [in, out])."""
+    """Routed experts: gate_proj, up_proj [E, D, F]; down_proj [E, F, D] (per-expert kernels [in, out]).
+
+    With `formats` ({"gate", "up", "down"} -> GGUF format) each parameter holds a
+    `glm53.quant.qweight.QuantizedExperts` of that kernel shape (stored as `layout`) instead of an array; its
+    logical axes are the dense kernel's and name the planes' axes (expert, input words, output rows).
+    """
 
     def __init__(
-        self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, implementation: str = "reference"
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        implementation: str = "reference",
+        formats: dict[str, str] | None = None,
+        layout: str = "planes",
+        decode_max_slots: int = moe_api.DEFAULT_DECODE_MAX_SLOTS,
     ):
         e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.swiglu_limit = cfg.swiglu_limit
         self.implementation = implementation
-        self.gate_proj = param(rngs, (e, d, f), (dims.EXPERT, dims.EMBED, dims.EXPERT_MLP), dtype)
-        self.up_proj = param(rngs, (e, d, f), (dims.EXPERT, dims.EMBED, dims.EXPERT_MLP), dtype)
-        self.down_proj = param(rngs, (e, f, d), (dims.EXPERT, dims.EXPERT_MLP, dims.EMBED), dtype)
+        self.decode_max_slots = decode_max_slots
+        shapes = {
+            "gate": ((e, d, f), (dims.EXPERT, dims.EMBED, dims.EXPERT_MLP)),
+            "up": ((e, d, f), (dims.EXPERT, dims.EMBED, dims.EXPERT_MLP)),
+            "down": ((e, f, d), (dims.EXPERT, dims.EXPERT_MLP, dims.EMBED)),
+        }
+        for m, (shape, axes) in shapes.items():
+            if formats is None:
+                p = param(rngs, shape, axes, dtype)
+            else:
+                p = nnx.Param(QuantizedExperts.random(rngs.params(), shape, formats[m], layout), logical_axes=axes)
+            setattr(self, f"{m}_proj", p)
 
     def __call__(self, x_td: jnp.ndarray, topk_ids_tk: jnp.ndarray, topk_w_tk: jnp.ndarray) -> jnp.ndarray:
         """x [T, D] with routing [T, K] -> weighted sum of the chosen experts' outputs [T, D] in x's dtype."""
@@ -77,11 +100,12 @@ class Experts(nnx.Module):
             x_td,
             topk_ids_tk,
             topk_w_tk,
-            self.gate_proj[...],
-            self.up_proj[...],
-            self.down_proj[...],
+            self.gate_proj.get_value(),
+            self.up_proj.get_value(),
+            self.down_proj.get_value(),
             self.swiglu_limit,
             implementation=self.implementation,
+            decode_max_slots=self.decode_max_slots,
         )
 
 
@@ -89,10 +113,21 @@ class MoE(nnx.Module):
     """y = sum_k w_k Expert_{id_k}(x) + SharedExpert(x) (no gate on the shared expert; none if n_shared_experts=0)."""
 
     def __init__(
-        self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, implementation: str = "reference"
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        implementation: str = "reference",
+        quant: QuantConfig | None = None,
+        layer_idx: int | None = None,
     ):
+        """quant / layer_idx: routed-expert storage of this layer (layer_idx None: the MTP block)."""
         self.router = Router(cfg, rngs=rngs)
-        self.experts = Experts(cfg, rngs=rngs, dtype=dtype, implementation=implementation)
+        q = {} if quant is None else dict(
+            formats=expert_formats(quant, cfg, layer_idx), layout=quant.layout, decode_max_slots=quant.decode_max_slots
+        )
+        self.experts = Experts(cfg, rngs=rngs, dtype=dtype, implementation=implementation, **q)
         width = cfg.moe_intermediate_size * cfg.n_shared_experts
         self.shared_experts = (
             MLP(cfg, width, rngs=rngs, dtype=dtype, mlp_axis=dims.EXPERT_MLP) if width else None

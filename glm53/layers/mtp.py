@@ -20,7 +20,7 @@ from glm53.layers.norm import RMSNorm
 
 
 class MTPBlock(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, kernels=None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, kernels=None, quant=None):
         kernels = kernels or {}
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.cfg = cfg
@@ -32,7 +32,7 @@ class MTPBlock(nnx.Module):
             cfg, rngs=rngs, dtype=dtype, layer_idx=None, implementation=kernels.get("sparse_mla", "reference")
         )
         self.post_attention_layernorm = RMSNorm(d, eps, rngs=rngs, dtype=dtype)
-        self.mlp = MoE(cfg, rngs=rngs, dtype=dtype, implementation=kernels.get("moe", "reference"))
+        self.mlp = MoE(cfg, rngs=rngs, dtype=dtype, implementation=kernels.get("moe", "reference"), quant=quant)
         self.shared_head_norm = RMSNorm(d, eps, rngs=rngs, dtype=dtype)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):

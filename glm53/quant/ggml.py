@@ -69,7 +69,12 @@ def _lib() -> ctypes.CDLL:
         raise GgmlUnavailableError(f"cannot load ggml library {path}: {e}") from e
     lib.ggml_quantize_chunk.restype = ctypes.c_size_t
     lib.ggml_quantize_chunk.argtypes = [
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
         ctypes.c_void_p,
     ]
     lib.ggml_quantize_init.restype = None
@@ -106,8 +111,8 @@ def _traits(ggml_type: int) -> tuple[_TypeTraits, object]:
             f"ggml type {ggml_type} ({t.type_name!r}) reports block {t.blck_size}/{t.type_size} bytes, expected "
             f"{f.block_size}/{f.type_size}: ggml ABI mismatch"
         )
-    if not t.to_float:
-        raise GgmlUnavailableError(f"ggml has no to_float for {f.name}")
+    if not t.to_float:  # F32: ggml copies rows as they are
+        return t, lambda src, dst, n: ctypes.memmove(dst, src, 4 * n)
     return t, _TO_FLOAT(t.to_float)
 
 
@@ -134,7 +139,9 @@ def quantize(
         raise ValueError(f"quantize({f.name}): rows must be 2-D [n, k], got shape {x.shape}")
     n, k = x.shape
     if k % f.block_size:
-        raise ValueError(f"quantize({f.name}): row length {k} is not a multiple of the block size {f.block_size}")
+        raise ValueError(
+            f"quantize({f.name}): row length {k} is not a multiple of the block size {f.block_size}"
+        )
     if imatrix is None and requires_imatrix(f):
         imatrix = np.ones(k, np.float32)
     im = None
@@ -164,7 +171,10 @@ def quantize(
 
 
 def dequantize_row(fmt: str | int | QuantFormat, data: bytes | np.ndarray, n: int) -> np.ndarray:
-    """Decodes the first `n` weights of `data` (GGUF bytes of `fmt`) with ggml's to_float; returns f32 [n]."""
+    """Decodes the first `n` weights of `data` (GGUF bytes of `fmt`) with ggml's to_float; returns f32 [n].
+
+    F32 has no to_float in ggml (its rows are used as they are); it is copied.
+    """
     f = _gguf_format(fmt)
     src = np.ascontiguousarray(np.frombuffer(data, np.uint8) if isinstance(data, bytes | bytearray) else data)
     src = src.view(np.uint8).reshape(-1)

@@ -46,7 +46,13 @@ def _pack_codes(grid: np.ndarray, levels: np.ndarray) -> tuple[np.ndarray, int]:
     return np.bitwise_or.reduce(codes << shifts, axis=1).astype(np.uint32), bits
 
 
-_CLASSES = {"IQ2_XXS": _q.IQ2_XXS, "IQ2_XS": _q.IQ2_XS, "IQ2_S": _q.IQ2_S, "IQ3_XXS": _q.IQ3_XXS, "IQ3_S": _q.IQ3_S}
+_CLASSES = {
+    "IQ2_XXS": _q.IQ2_XXS,
+    "IQ2_XS": _q.IQ2_XS,
+    "IQ2_S": _q.IQ2_S,
+    "IQ3_XXS": _q.IQ3_XXS,
+    "IQ3_S": _q.IQ3_S,
+}
 
 GRIDS: dict[str, np.ndarray] = {name: _grid_u8(cls) for name, cls in _CLASSES.items()}
 GRID_WORDS: dict[str, np.ndarray] = {name: _pack_words(g) for name, g in GRIDS.items()}

@@ -1,23 +1,97 @@
 """Routed-expert kernel api: `moe_experts` (grouped expert SwiGLU + weighted combine).
 
-Implementations: "reference" (sort slots by expert, `jax.lax.ragged_dot` with f32 accumulation, segment-sum
-combine) and "dense_einsum" (every expert on every token, masked; the oracle for tiny sizes). Pallas backends
-register in `_IMPLEMENTATIONS` later. See `kernels.moe.reference` for how quantized weights will plug in.
+Weights are dense kernels (w_gate / w_up [E, D, F], w_down [E, F, D]) or `glm53.quant.qweight.QuantizedExperts`
+of those kernel shapes (any mix). Implementations:
+
+  reference           sort slots by expert, `jax.lax.ragged_dot`, f32 accumulation; quantized weights are
+                      dequantized whole first. The oracle.
+  dense_einsum        every expert on every token, masked (tiny sizes only).
+  xla_quant           plain XLA, cost per distinct routed expert (kernels.moe.xla_quant): the GPU / CPU path.
+                      Picks its decode form when T*K <= decode_max_slots, else its prefill form;
+                      xla_quant_decode / xla_quant_prefill force one.
+  pallas_tpu          Pallas TPU kernels (kernels.moe.pallas_tpu): decode (grid over distinct experts) when
+                      T*K <= decode_max_slots, else prefill (ragged grouped GEMM); pallas_tpu_decode /
+                      pallas_tpu_prefill force one. Needs QuantizedExperts or dense weights the kernels take.
+  auto                by backend (`jax.default_backend()`): tpu -> pallas_tpu, gpu / cpu -> xla_quant, then by
+                      routed slots as above.
+
+An implementation that raises NotImplementedError (a format, layout or shape its kernels do not take, or a
+backend module that is not there) falls back to "reference" at trace time.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+
+import jax
 import jax.numpy as jnp
 
-from kernels.moe import reference
+from glm53.quant.qweight import QuantizedExperts
+from kernels.moe import reference, xla_quant
 from kernels.moe.reference import clamped_swiglu
 
-__all__ = ["moe_experts", "clamped_swiglu"]
+__all__ = ["moe_experts", "clamped_swiglu", "select_implementation", "IMPLEMENTATIONS", "DEFAULT_DECODE_MAX_SLOTS"]
+
+DEFAULT_DECODE_MAX_SLOTS = 64
+_log = logging.getLogger(__name__)
+
+
+def _pallas_tpu(mode: str):
+    """The Pallas TPU decode / prefill entry (kernels.moe.pallas_tpu.moe_decode / moe_prefill), imported on first
+    use. Weights must be QuantizedExperts in formats the kernels decode; anything else raises NotImplementedError.
+    Off TPU the kernels run in interpret mode (correct, slow)."""
+
+    def run(x_td, topk_ids_tk, topk_w_tk, w_gate, w_up, w_down, swiglu_limit):
+        try:
+            from kernels.moe import pallas_tpu
+        except ImportError as e:
+            raise NotImplementedError(f"pallas_tpu: kernels.moe.pallas_tpu is not available ({e})") from None
+        ws = (w_gate, w_up, w_down)
+        if not all(isinstance(w, QuantizedExperts) for w in ws):
+            kinds = [type(w).__name__ for w in ws]
+            raise NotImplementedError(f"pallas_tpu: needs QuantizedExperts for gate/up/down, got {kinds}")
+        planes = [w.planes for w in ws]
+        pallas_tpu.check_supported(*planes)
+        fn = pallas_tpu.moe_decode if mode == "decode" else pallas_tpu.moe_prefill
+        interpret = jax.default_backend() != "tpu"
+        return fn(x_td, topk_ids_tk, topk_w_tk, *planes, swiglu_limit=swiglu_limit, interpret=interpret)
+
+    return run
+
 
 _IMPLEMENTATIONS = {
     "reference": reference.moe_experts,
     "dense_einsum": reference.moe_experts_dense,
+    "xla_quant_decode": xla_quant.moe_experts_decode,
+    "xla_quant_prefill": xla_quant.moe_experts_prefill,
+    "pallas_tpu_decode": _pallas_tpu("decode"),
+    "pallas_tpu_prefill": _pallas_tpu("prefill"),
 }
+_BY_SLOTS = ("xla_quant", "pallas_tpu")  # pick <name>_decode / <name>_prefill by routed slots
+IMPLEMENTATIONS = ("auto", *_BY_SLOTS, *_IMPLEMENTATIONS)
+
+
+def select_implementation(
+    implementation: str, n_slots: int, decode_max_slots: int = DEFAULT_DECODE_MAX_SLOTS, backend: str | None = None
+) -> str:
+    """The concrete implementation `moe_experts` runs for `implementation` and T*K = `n_slots` routed slots.
+
+    "auto": tpu -> pallas_tpu, anything else (gpu, cpu) -> xla_quant; xla_quant / pallas_tpu then take their
+    decode form when n_slots <= decode_max_slots, else their prefill form. Unknown names raise ValueError.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"moe_experts: unknown implementation {implementation!r}; valid: {sorted(IMPLEMENTATIONS)}")
+    if implementation == "auto":
+        implementation = "pallas_tpu" if (backend or jax.default_backend()) == "tpu" else "xla_quant"
+    if implementation in _BY_SLOTS:
+        implementation += "_decode" if n_slots <= decode_max_slots else "_prefill"
+    return implementation
+
+
+@functools.cache
+def _warn_fallback(name: str, reason: str) -> None:
+    _log.warning("moe_experts: %s not available for these weights (%s); using reference", name, reason)
 
 
 def moe_experts(
@@ -30,6 +104,7 @@ def moe_experts(
     swiglu_limit: float,
     *,
     implementation: str = "reference",
+    decode_max_slots: int = DEFAULT_DECODE_MAX_SLOTS,
 ) -> jnp.ndarray:
     """y[t] = sum_k topk_w[t, k] * down_e(clamped_swiglu(x[t] gate_e, x[t] up_e)), e = topk_ids[t, k].
 
@@ -37,18 +112,17 @@ def moe_experts(
       x_td: tokens [T, D] (model dtype).
       topk_ids_tk: int [T, K] expert ids in [0, E]; E marks an empty slot (contributes zero).
       topk_w_tk: [T, K] routing weights (applied in f32).
-      w_gate, w_up: [E, D, F]; w_down: [E, F, D] expert weights (only ``.shape`` is read outside the matmuls).
+      w_gate, w_up: [E, D, F]; w_down: [E, F, D] expert weights: arrays or QuantizedExperts of these kernel
+        shapes (only ``.shape`` is read outside the matmuls).
       swiglu_limit: the SwiGLU clamp L (gate: min(a, L); up: clip(b, -L, L)).
-      implementation: "reference" | "dense_einsum".
+      implementation: one of IMPLEMENTATIONS (module docstring).
+      decode_max_slots: T*K up to which "auto" / "xla_quant" / "pallas_tpu" take their decode form.
     Returns:
       [T, D] in x's dtype.
     """
-    try:
-        fn = _IMPLEMENTATIONS[implementation]
-    except KeyError:
-        raise ValueError(
-            f"moe_experts: unknown implementation {implementation!r}; valid: {sorted(_IMPLEMENTATIONS)}"
-        ) from None
+    if len(topk_ids_tk.shape) != 2:
+        raise ValueError(f"moe_experts: topk_ids_tk must be [T, K], got shape {tuple(topk_ids_tk.shape)}")
+    name = select_implementation(implementation, topk_ids_tk.shape[0] * topk_ids_tk.shape[1], decode_max_slots)
     if len(x_td.shape) != 2:
         raise ValueError(f"moe_experts: x_td must be [T, D], got shape {tuple(x_td.shape)}")
     t, d = x_td.shape
@@ -63,12 +137,19 @@ def moe_experts(
     if len(w_gate.shape) != 3 or w_gate.shape[1] != d:
         raise ValueError(f"moe_experts: w_gate must be [E, D={d}, F], got shape {tuple(w_gate.shape)}")
     e, _, f = w_gate.shape
-    for name, w, want in (("w_up", w_up, (e, d, f)), ("w_down", w_down, (e, f, d))):
+    for arg, w, want in (("w_up", w_up, (e, d, f)), ("w_down", w_down, (e, f, d))):
         if tuple(w.shape) != want:
             raise ValueError(
-                f"moe_experts: {name} must be {want} to match w_gate {tuple(w_gate.shape)}, "
+                f"moe_experts: {arg} must be {want} to match w_gate {tuple(w_gate.shape)}, "
                 f"got {tuple(w.shape)}"
             )
     if not swiglu_limit > 0:
         raise ValueError(f"moe_experts: swiglu_limit must be > 0, got {swiglu_limit}")
-    return fn(x_td, topk_ids_tk, topk_w_tk, w_gate, w_up, w_down, swiglu_limit)
+    args = (x_td, topk_ids_tk, topk_w_tk, w_gate, w_up, w_down, swiglu_limit)
+    try:
+        return _IMPLEMENTATIONS[name](*args)
+    except NotImplementedError as e:
+        if name == "reference":
+            raise
+        _warn_fallback(name, str(e))
+        return reference.moe_experts(*args)

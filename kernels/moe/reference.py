@@ -1,10 +1,10 @@
 """Pure-jnp routed-expert references: a sorted grouped-matmul path and a dense all-experts oracle.
 
-Weight arguments: plain arrays w_gate / w_up [E, D, F] and w_down [E, F, D] (kernels stored [in, out] per expert).
-Every contraction with an expert weight goes through exactly one of two functions, `grouped_matmul` (sorted path)
-and `expert_einsum` (dense path); the routing / sort / combine code only reads ``w.shape``. A quantized-weight
-pytree that exposes the logical ``.shape`` can therefore be passed through the api unchanged once these two
-functions dispatch on its type (the next issue); nothing else here needs to change.
+Weight arguments: plain arrays w_gate / w_up [E, D, F] and w_down [E, F, D] (kernels stored [in, out] per expert),
+or `glm53.quant.qweight.QuantizedExperts` of those kernel shapes. Every contraction with an expert weight goes
+through exactly one of two functions, `grouped_matmul` (sorted path) and `expert_einsum` (dense path), which
+dequantize a QuantizedExperts whole (every expert, f32 values cast to x's dtype) before the matmul: this is the
+oracle, not a fast path (see `kernels.moe.xla_quant`). The routing / sort / combine code only reads ``w.shape``.
 
 Slot ids must lie in [0, E]; an id equal to E marks an empty slot that contributes zero (useful for capacity
 dropping or expert-parallel shards). Activations stay in x's dtype between matmuls; matmuls accumulate in f32;
@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from glm53.quant.qweight import QuantizedExperts
+
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -24,28 +26,35 @@ def clamped_swiglu(a: jnp.ndarray, b: jnp.ndarray, limit: float) -> jnp.ndarray:
     return jax.nn.silu(jnp.minimum(a, limit)) * jnp.clip(b, -limit, limit)
 
 
-def grouped_matmul(x_md: jnp.ndarray, w_ekn: jnp.ndarray, group_sizes_e: jnp.ndarray) -> jnp.ndarray:
+def dense_weight(w, dtype) -> jnp.ndarray:
+    """An expert weight as a dense kernel [E, in, out] of `dtype` (a QuantizedExperts is dequantized whole)."""
+    if isinstance(w, QuantizedExperts):
+        return w.dequantize(jnp.float32).astype(dtype)
+    return w.astype(dtype)
+
+
+def grouped_matmul(x_md: jnp.ndarray, w_ekn, group_sizes_e: jnp.ndarray) -> jnp.ndarray:
     """Rows of x_md [M, K] sorted by expert times their expert's w_ekn [E, K, N]; f32 [M, N].
 
     group_sizes_e [E] int32: rows per expert, in order; rows past sum(group_sizes) come out zero.
     """
     return jax.lax.ragged_dot(
-        x_md, w_ekn.astype(x_md.dtype), group_sizes_e, precision=_HIGHEST, preferred_element_type=jnp.float32
+        x_md, dense_weight(w_ekn, x_md.dtype), group_sizes_e, precision=_HIGHEST, preferred_element_type=jnp.float32
     )
 
 
-def expert_einsum(spec: str, x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
+def expert_einsum(spec: str, x: jnp.ndarray, w) -> jnp.ndarray:
     """einsum(spec, x, w) against an expert weight w [E, ...], f32 result (dense oracle path)."""
-    return jnp.einsum(spec, x, w.astype(x.dtype), precision=_HIGHEST, preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, x, dense_weight(w, x.dtype), precision=_HIGHEST, preferred_element_type=jnp.float32)
 
 
 def moe_experts(
     x_td: jnp.ndarray,
     topk_ids_tk: jnp.ndarray,
     topk_w_tk: jnp.ndarray,
-    w_gate: jnp.ndarray,
-    w_up: jnp.ndarray,
-    w_down: jnp.ndarray,
+    w_gate,
+    w_up,
+    w_down,
     swiglu_limit: float,
 ) -> jnp.ndarray:
     """sum_k w[t,k] * Expert_{ids[t,k]}(x[t]) via sort-by-expert + ragged_dot; [T, D] in x's dtype."""
@@ -70,9 +79,9 @@ def moe_experts_dense(
     x_td: jnp.ndarray,
     topk_ids_tk: jnp.ndarray,
     topk_w_tk: jnp.ndarray,
-    w_gate: jnp.ndarray,
-    w_up: jnp.ndarray,
-    w_down: jnp.ndarray,
+    w_gate,
+    w_up,
+    w_down,
     swiglu_limit: float,
 ) -> jnp.ndarray:
     """Same result as `moe_experts` by running every expert on every token (O(E*T) work: tiny sizes only)."""

@@ -1,0 +1,236 @@
+"""Writing GLM-5.3 GGUF files that llama.cpp loads, and re-quantizing their routed experts.
+
+* `write_gguf(path, cfg, params)`: a model's parameters -> one GGUF with the metadata, tensor names and layouts
+  llama.cpp's own converter (``convert_hf_to_gguf.py``, class Glm5NextModel) writes, tokenizer model "none"
+  (llama.cpp then makes dummy tokens; feed token ids). Non-expert matrices in `dense_type`, routed experts
+  per an `ExpertMix`; vectors and the small gating / mHC tensors always F32, as the converter keeps them.
+* `convert_hf_to_gguf(hf_dir, path)`: the same from an HF folder (read with glm53's HF loader, so bf16 / FP8
+  folders work). It holds the whole model in host memory: meant for test and research-size models.
+* `quantize_experts(src, dst, mix)`: copies a GGUF, re-quantizing its routed-expert tensors to the types of
+  `mix` with llama.cpp's quantizer (``ggml_quantize_chunk`` via `glm53.quant.ggml`; the i-quants that need an
+  importance matrix get an all-ones one). Every other tensor and every metadata key is copied unchanged.
+
+Mixes: a single type ("Q4_K"), a named mix ("UD-IQ3_XXS": IQ2_S gate/up, IQ3_S down, IQ4_XS down in blocks 11,
+12 and 44, as Unsloth's release; its MTP-block types are not reproduced), or a spec string
+"gate=IQ2_S,up=IQ2_S,down=IQ3_S,5.down=IQ4_XS" (``N.matrix=TYPE`` overrides block N).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from gguf import GGUFWriter
+from gguf.constants import GGMLQuantizationType, GGUFValueType
+
+from glm53.checkpoint import gguf_rules as rules
+from glm53.config import ModelConfig
+from glm53.quant.formats import GGUF_FORMATS, get_format
+
+Path = rules.Path
+DENSE_TYPES = ("F32", "F16", "BF16", "Q8_0")
+_EXPERT_NAME = re.compile(r"blk\.(?P<block>\d+)\.ffn_(?P<matrix>gate|up|down)_exps\.weight")
+# llama.cpp's general.file_type (LLAMA_FTYPE_*) for a file whose large matrices are of one type.
+_FILE_TYPE = {"F32": 0, "F16": 1, "Q8_0": 7, "BF16": 32}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertMix:
+    """GGUF type of each routed-expert matrix: per matrix, with per-block overrides (block = GGUF blk index)."""
+
+    gate: str
+    up: str
+    down: str
+    overrides: tuple[tuple[int, str, str], ...] = ()  # (block, "gate" | "up" | "down", type)
+
+    def __post_init__(self):
+        for t in (self.gate, self.up, self.down, *(o[2] for o in self.overrides)):
+            if get_format(t).name not in GGUF_FORMATS:
+                raise ValueError(f"expert mix: {t!r} is not a GGUF type; choose from {list(GGUF_FORMATS)}")
+        for _, m, _ in self.overrides:
+            if m not in rules.EXPERT_MATRICES:
+                raise ValueError(f"expert mix: unknown matrix {m!r}; expected one of {list(rules.EXPERT_MATRICES)}")
+
+    def format(self, block: int, matrix: str) -> str:
+        for b, m, t in self.overrides:
+            if b == block and m == matrix:
+                return get_format(t).name
+        return get_format(getattr(self, matrix)).name
+
+
+MIXES: dict[str, ExpertMix] = {
+    "UD-IQ3_XXS": ExpertMix("IQ2_S", "IQ2_S", "IQ3_S", ((11, "down", "IQ4_XS"), (12, "down", "IQ4_XS"),
+                                                          (44, "down", "IQ4_XS"))),  # fmt: skip
+}
+
+
+def parse_mix(spec: str | ExpertMix) -> ExpertMix:
+    """An ExpertMix from a named mix, a single GGUF type, or "gate=T,up=T,down=T[,N.matrix=T...]"."""
+    if isinstance(spec, ExpertMix):
+        return spec
+    if spec in MIXES:
+        return MIXES[spec]
+    if "=" not in spec:
+        return ExpertMix(spec, spec, spec)
+    base, overrides = {}, []
+    for part in spec.split(","):
+        key, _, value = part.strip().partition("=")
+        if re.fullmatch(r"\d+\.(gate|up|down)", key):
+            block, matrix = key.split(".")
+            overrides.append((int(block), matrix, value))
+        elif key in rules.EXPERT_MATRICES:
+            base[key] = value
+        else:
+            raise ValueError(f"expert mix {spec!r}: cannot parse {part!r} (expected gate=T, up=T, down=T or N.down=T)")
+    missing = [m for m in rules.EXPERT_MATRICES if m not in base]
+    if missing:
+        raise ValueError(f"expert mix {spec!r}: no type for {missing}")
+    return ExpertMix(base["gate"], base["up"], base["down"], tuple(overrides))
+
+
+# ------------------------------------------------------------------------------------------------ encoding
+def encode(a: np.ndarray, fmt: str) -> tuple[np.ndarray, GGMLQuantizationType | None]:
+    """f32 values (numpy order) -> (array for GGUFWriter.add_tensor, raw GGML type or None for F32 / F16)."""
+    f = get_format(fmt)
+    a = np.ascontiguousarray(a, np.float32)
+    if f.name == "F32":
+        return a, None
+    if f.name == "F16":
+        return a.astype(np.float16), None
+    if f.name == "BF16":
+        return a.astype(ml_dtypes.bfloat16).view(np.uint8), GGMLQuantizationType.BF16
+    from glm53.quant import ggml
+
+    rows = a.reshape(-1, a.shape[-1])
+    data = np.frombuffer(ggml.quantize(rows, f), np.uint8)
+    return data.reshape(*a.shape[:-1], -1), GGMLQuantizationType(f.ggml_type)
+
+
+def _dense_format(name: str, a: np.ndarray, dense_type: str) -> str:
+    if rules.keep_f32(name, a.ndim) or "ssm_conv1d" in name:
+        return "F32"
+    if a.shape[-1] % get_format(dense_type).block_size:
+        return "F16"  # the converter's fallback for rows that do not fill Q8_0 blocks
+    return dense_type
+
+
+def _value_type(v) -> GGUFValueType:
+    return GGUFValueType.get_type(v)
+
+
+def model_params(model: nnx.Module) -> dict[Path, np.ndarray]:
+    """Every Param of a (concrete) model as host f32 numpy, keyed by path."""
+    _, state = nnx.split(model)
+    return {tuple(p): np.asarray(v.get_value(), np.float32) for p, v in nnx.to_flat_state(state)}
+
+
+def write_gguf(
+    path: str | os.PathLike,
+    cfg: ModelConfig,
+    params: Mapping[Path, np.ndarray],
+    *,
+    arch: str = rules.DEFAULT_ARCH,
+    dense_type: str = "F32",
+    experts: ExpertMix | str | None = None,
+    name: str = "GLM-5.3",
+) -> None:
+    """Writes `params` (our paths and layouts, e.g. `model_params(model)`) as a GGUF llama.cpp can load.
+
+    The MTP block is written when `params` has it. dense_type: F32 / F16 / BF16 / Q8_0 for the non-expert
+    matrices; experts: an ExpertMix / mix spec for the routed experts (default: dense_type).
+    """
+    if arch not in rules.ARCHITECTURES:
+        raise ValueError(f"arch {arch!r}: expected one of {list(rules.ARCHITECTURES)}")
+    dense_type = get_format(dense_type).name
+    if dense_type not in DENSE_TYPES:
+        raise ValueError(f"dense_type {dense_type!r}: expected one of {list(DENSE_TYPES)}")
+    mix = parse_mix(experts) if experts is not None else ExpertMix(dense_type, dense_type, dense_type)
+    with_mtp = any(p[0] == "mtp" for p in params)
+    w = GGUFWriter(os.fspath(path), arch)
+    w.add_type("model")
+    w.add_name(name)
+    for key, value, vtype in rules.metadata_from_config(cfg, with_mtp=with_mtp):
+        if vtype == GGUFValueType.ARRAY:
+            w.add_key_value(f"{arch}.{key}", value, vtype, _value_type(value[0]))
+        else:
+            w.add_key_value(f"{arch}.{key}", value, vtype)
+    w.add_file_type(_FILE_TYPE[dense_type])
+    w.add_quantization_version(2)
+    w.add_tokenizer_model("none")
+    for p in sorted(params, key=lambda p: tuple(map(str, p))):
+        t = rules.target_for(p, tuple(np.shape(params[p])), cfg)
+        for tname, a in zip(t.names, rules.to_gguf(t.kind, params[p], cfg)):
+            if t.is_expert:
+                fmt = mix.format(int(tname.split(".")[1]), t.matrix)
+            else:
+                fmt = _dense_format(tname, a, dense_type)
+            data, raw = encode(a, fmt)
+            w.add_tensor(tname, data, raw_dtype=raw)
+    _write(w)
+
+
+def _write(w: GGUFWriter) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def convert_hf_to_gguf(
+    hf_dir: str | os.PathLike, path: str | os.PathLike, *, with_mtp: bool = True, **kw
+) -> ModelConfig:
+    """Converts an HF GLM-5.3 folder into one GGUF (see `write_gguf` for the keyword arguments); returns its cfg."""
+    import jax.numpy as jnp
+
+    from glm53.checkpoint.hf import load_hf_checkpoint
+    from glm53.config import load_hf_config
+
+    cfg = load_hf_config(hf_dir)
+    model, _ = load_hf_checkpoint(hf_dir, cfg, dtype=jnp.float32, with_mtp=with_mtp)
+    write_gguf(path, cfg, model_params(model), **kw)
+    return cfg
+
+
+def quantize_experts(
+    src: str | os.PathLike, dst: str | os.PathLike, mix: ExpertMix | str
+) -> dict[str, str]:
+    """Copies the GGUF `src` to `dst` with every routed-expert tensor re-quantized per `mix`.
+
+    Source experts of any type glm53 decodes are first decoded to f32. Returns {tensor name: new type}.
+    """
+    from glm53.checkpoint.gguf import decode_tensor, open_gguf_model
+
+    mix = parse_mix(mix)
+    changed = {}
+    with open_gguf_model(src) as g:
+        if len(g.shards) != 1:
+            raise ValueError(f"{g.name}: split GGUFs are not supported by quantize_experts (merge them first)")
+        arch = g.get("general.architecture")
+        w = GGUFWriter(os.fspath(dst), arch)
+        for key, v in g.metadata.items():
+            if key == "general.architecture":
+                continue
+            if key == "general.alignment":
+                w.add_custom_alignment(int(v.value))
+                continue
+            w.add_key_value(key, v.to_python(), v.type, v.item_type)
+        for info in g:
+            m = _EXPERT_NAME.fullmatch(info.name)
+            if m is None:
+                data = g.read_tensor_bytes(info.name)
+                w.add_tensor(info.name, data.reshape(*info.shape[:-1], -1),
+                             raw_dtype=GGMLQuantizationType(info.ggml_type))  # fmt: skip
+                continue
+            fmt = mix.format(int(m["block"]), m["matrix"])
+            if info.format is None:
+                raise ValueError(f"{g.name}: {info.name} has GGUF type {info.type_name}, which glm53 cannot decode")
+            data, raw = encode(decode_tensor(g, info), fmt)
+            w.add_tensor(info.name, data, raw_dtype=raw)
+            changed[info.name] = fmt
+        _write(w)
+    return changed

@@ -1,0 +1,291 @@
+"""Routed-expert kernel benchmark: times `moe_experts` implementations on quantized experts, with byte counts.
+
+`run_benchmark(settings)` returns a JSON-able dict (see `experiments/bench_kernels.py`). Per op ("decode": one
+token per stream; "prefill": many tokens), layout, implementation and token count it records:
+
+  median_s               median wall time of `repeats` jitted calls (after `warmup`), inputs on device
+  weight_bytes           plane bytes of the distinct routed experts (what a step must read at least)
+  weight_bytes_touched   plane bytes the implementation reads (reference / dequant_all: every expert;
+                         xla_quant decode: experts_per_step * ceil(U / experts_per_step) experts)
+  gb_per_s               weight_bytes / median_s (1e9 bytes)
+  distinct_experts       U, measured on the step's routing; distinct_experts_expected = E (1 - (1 - k/E)^N)
+  ratio_vs_reference     reference median / this median (> 1: faster than the reference)
+  ratio_vs_dequant_all   dequant_all median / this median
+  ratio_vs_copy          copy median / this median = fraction of the bandwidth of a jitted device copy of
+                         weight_bytes bytes (read + write of a uint32 array) achieved by this implementation
+
+Implementations: "reference" (api reference: dequantize every expert, sort + ragged_dot), "dequant_all"
+(dequantize every expert, then xla_quant's matmuls on the dense weights: the "dequantize everything then
+matmul" baseline), "xla_quant" (decode / prefill form by op) and "pallas_tpu" (TPU backend only; interpret-mode
+timings mean nothing, so elsewhere it is skipped with a note). Routing is uniform: each token picks top_k distinct
+experts at random (seeded), as the U(N) formula assumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm53.config import QuantConfig
+from glm53.quant.qweight import MATRICES, QuantizedExperts
+from kernels.moe import api, xla_quant
+
+IMPLS = ("reference", "dequant_all", "xla_quant", "pallas_tpu")
+_UD_COMMON = {"gate": "IQ2_S", "up": "IQ2_S", "down": "IQ3_S"}  # the UD-IQ3_XXS mix in 39 of 42 layers
+LIMIT = 10.0
+
+
+def _ints(v) -> tuple[int, ...]:
+    if isinstance(v, str):
+        return tuple(int(x) for x in v.replace(" ", "").split(",") if x)
+    if isinstance(v, int):
+        return (v,)
+    return tuple(int(x) for x in v)
+
+
+def _names(v) -> tuple[str, ...]:
+    if isinstance(v, str):
+        return tuple(x.strip() for x in v.split(",") if x.strip())
+    return tuple(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Benchmark settings (configs/bench_kernels.py)."""
+
+    name: str
+    n_experts: int
+    d_model: int
+    d_ff: int
+    top_k: int
+    streams: tuple[int, ...]
+    prefill_tokens: tuple[int, ...]
+    experts: dict[str, str]
+    layouts: tuple[str, ...]
+    impls: tuple[str, ...]
+    reference_max_slots: int
+    experts_per_step: int
+    tile_rows: int
+    warmup: int
+    repeats: int
+    dtype: str
+    seed: int
+
+    @classmethod
+    def from_config(cls, c) -> Settings:
+        d = c.to_dict() if hasattr(c, "to_dict") else dict(c)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - fields)
+        if unknown:
+            raise ValueError(f"bench config: unknown keys {unknown}; valid keys are {sorted(fields)}")
+        spec = QuantConfig(experts=d["experts"]).experts
+        if spec == "none":
+            raise ValueError("bench config field 'experts': 'none' has no quantized experts to benchmark")
+        experts = dict(_UD_COMMON) if spec == "ud_iq3_xxs" else (
+            {m: spec for m in MATRICES} if isinstance(spec, str) else dict(spec)
+        )  # fmt: skip
+        impls = _names(d["impls"])
+        bad = sorted(set(impls) - set(IMPLS))
+        if bad:
+            raise ValueError(f"bench config field 'impls': unknown {bad}; choose from {list(IMPLS)}")
+        kw = dict(d)
+        kw.update(
+            streams=_ints(d["streams"]), prefill_tokens=_ints(d["prefill_tokens"]), experts=experts,
+            layouts=_names(d["layouts"]), impls=impls,
+        )  # fmt: skip
+        for lay in kw["layouts"]:
+            QuantConfig(layout=lay)  # validates the name
+        return cls(**kw)
+
+
+def expected_distinct(n_experts: int, top_k: int, tokens: int) -> float:
+    """U(N) = E (1 - (1 - k/E)^N): expected distinct experts of N tokens under uniform top-k routing."""
+    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** tokens)
+
+
+def uniform_routing(rng: np.random.Generator, tokens: int, n_experts: int, top_k: int):
+    """(ids [T, k] int32, distinct per token, weights [T, k] f32 summing to 2.5 per token)."""
+    ids = np.argsort(rng.random((tokens, n_experts)), axis=1)[:, :top_k].astype(np.int32)
+    w = rng.random((tokens, top_k)).astype(np.float32)
+    return ids, 2.5 * w / w.sum(axis=1, keepdims=True)
+
+
+def time_fn(fn: Callable, args: Sequence, warmup: int, repeats: int) -> tuple[float, list[float]]:
+    """(median seconds, all samples) of `repeats` calls of a jitted fn after compiling and `warmup` calls."""
+    jax.block_until_ready(fn(*args))  # compile
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples), samples
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _random_weights(key, kernel_shape, fmt, layout, std):
+    return QuantizedExperts.random(key, kernel_shape, fmt, layout, std)
+
+
+def make_weights(s: Settings, layout: str, key) -> dict[str, QuantizedExperts]:
+    """Random gate / up / down QuantizedExperts of the settings' shapes, on the default device."""
+    e, d, f = s.n_experts, s.d_model, s.d_ff
+    shapes = {"gate": (e, d, f), "up": (e, d, f), "down": (e, f, d)}
+    keys = jax.random.split(key, 3)
+    return {
+        m: _random_weights(k, shapes[m], s.experts[m], layout, 0.02) for m, k in zip(MATRICES, keys)
+    }
+
+
+def _impl_fn(impl: str, op: str, s: Settings) -> Callable:
+    """A jitted fn(x, ids, w, gate, up, down) -> y for implementation `impl` and op "decode" | "prefill"."""
+    if impl == "reference":
+        run = functools.partial(api.moe_experts, implementation="reference")
+    elif impl == "xla_quant":
+        run = (
+            functools.partial(xla_quant.moe_experts_decode, experts_per_step=s.experts_per_step)
+            if op == "decode"
+            else functools.partial(xla_quant.moe_experts_prefill, tile_rows=s.tile_rows)
+        )
+    elif impl == "dequant_all":
+        inner = (
+            functools.partial(xla_quant.moe_experts_decode, experts_per_step=s.experts_per_step)
+            if op == "decode"
+            else functools.partial(xla_quant.moe_experts_prefill, tile_rows=s.tile_rows)
+        )
+
+        def run(x, ids, w, g, u, d, limit):
+            # The barrier keeps XLA from fusing the expert gather into the dequantization (which would
+            # dequantize only the gathered experts): every expert is dequantized and materialized.
+            dense = jax.lax.optimization_barrier(tuple(q.dequantize(x.dtype) for q in (g, u, d)))
+            return inner(x, ids, w, *dense, limit)
+
+    elif impl == "pallas_tpu":
+        run = functools.partial(api.moe_experts, implementation=f"pallas_tpu_{op}")
+    else:  # pragma: no cover - Settings validates
+        raise ValueError(impl)
+    return jax.jit(lambda x, ids, w, g, u, d: run(x, ids, w, g, u, d, LIMIT))
+
+
+@jax.jit
+def _copy(a):
+    return a + jnp.uint32(1)  # reads and writes every word (not elided, unlike an identity)
+
+
+def _copy_time(nbytes: int, s: Settings) -> float:
+    a = jnp.zeros((max(1, nbytes // 4),), jnp.uint32)
+    return time_fn(_copy, (a,), s.warmup, s.repeats)[0]
+
+
+def _machine() -> dict:
+    import flax
+    import jaxlib
+
+    return {
+        "backend": jax.default_backend(),
+        "devices": [d.device_kind for d in jax.devices()],
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "versions": {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__,
+                     "numpy": np.__version__},
+    }  # fmt: skip
+
+
+def run_benchmark(settings: Settings, log: Callable[[str], None] = print) -> dict:
+    """Runs every (layout, op, token count, implementation) of `settings`; returns the result dict."""
+    s = settings
+    backend = jax.default_backend()
+    dtype = jnp.dtype(s.dtype)
+    notes = []
+    impls = list(s.impls)
+    if "pallas_tpu" in impls and backend != "tpu":
+        impls.remove("pallas_tpu")
+        notes.append(f"pallas_tpu skipped: backend is {backend}; interpret-mode timings are meaningless")
+    records = []
+    key = jax.random.key(s.seed)
+    for layout in s.layouts:
+        key, wkey = jax.random.split(key)
+        ws = make_weights(s, layout, wkey)
+        per_expert = sum(w.nbytes_per_expert for w in ws.values())
+        formats = {m: f"{ws[m].format_name} ({ws[m].layout})" for m in MATRICES}
+        for op, sizes in (("decode", s.streams), ("prefill", s.prefill_tokens)):
+            for tokens in sizes:
+                rng = np.random.default_rng([s.seed, tokens])
+                ids, w = uniform_routing(rng, tokens, s.n_experts, s.top_k)
+                x = jnp.asarray(rng.standard_normal((tokens, s.d_model)), dtype)
+                u = int(len(np.unique(ids)))
+                slots = tokens * s.top_k
+                args = (x, jnp.asarray(ids), jnp.asarray(w), ws["gate"], ws["up"], ws["down"])
+                copy_s = _copy_time(u * per_expert, s)
+                times = {}
+                for impl in impls:
+                    if impl == "reference" and slots > s.reference_max_slots:
+                        notes.append(f"reference skipped at {op} {tokens} tokens ({slots} slots > reference_max_slots)")
+                        continue
+                    try:
+                        med, samples = time_fn(_impl_fn(impl, op, s), args, s.warmup, s.repeats)
+                    except NotImplementedError as e:
+                        notes.append(f"{impl} {op} {layout}: not implemented ({e})")
+                        continue
+                    times[impl] = med
+                    if impl in ("reference", "dequant_all"):
+                        touched = s.n_experts
+                    elif impl == "xla_quant" and op == "decode":
+                        c = max(1, min(s.experts_per_step, s.n_experts, slots))
+                        touched = c * math.ceil(u / c)
+                    else:
+                        touched = u
+                    records.append({
+                        "op": op, "impl": impl, "layout": layout, "formats": formats, "tokens": tokens,
+                        "slots": slots, "n_experts": s.n_experts, "d_model": s.d_model, "d_ff": s.d_ff,
+                        "top_k": s.top_k, "dtype": s.dtype, "median_s": med, "samples_s": samples,
+                        "weight_bytes": u * per_expert, "weight_bytes_touched": touched * per_expert,
+                        "gb_per_s": u * per_expert / med / 1e9, "distinct_experts": u,
+                        "distinct_experts_expected": expected_distinct(s.n_experts, s.top_k, tokens),
+                        "copy_median_s": copy_s, "copy_gb_per_s": u * per_expert / copy_s / 1e9,
+                        "ratio_vs_copy": copy_s / med,
+                    })  # fmt: skip
+                    log(f"{layout:9s} {op:7s} T={tokens:<5d} U={u:<4d} {impl:12s} {med * 1e3:10.3f} ms  "
+                        f"{u * per_expert / med / 1e9:8.3f} GB/s  copy {copy_s / med:6.3f}")  # fmt: skip
+                for r in records:
+                    if r["layout"] == layout and r["op"] == op and r["tokens"] == tokens:
+                        for base in ("reference", "dequant_all"):
+                            r[f"ratio_vs_{base}"] = times[base] / r["median_s"] if base in times else None
+    return {
+        "benchmark": "moe_experts",
+        "set": s.name,
+        "machine": _machine(),
+        "settings": dataclasses.asdict(s),
+        "records": records,
+        "scaling": scaling(records, s),
+        "notes": notes,
+    }
+
+
+def scaling(records: list[dict], s: Settings) -> list[dict]:
+    """Decode time(N streams) / time(1 stream) against U(N) / U(1) (target: <= 1.1 x U(N) / U(1))."""
+    out = []
+    base = {(r["layout"], r["impl"]): r for r in records if r["op"] == "decode" and r["tokens"] == 1}
+    for r in records:
+        b = base.get((r["layout"], r["impl"]))
+        if r["op"] != "decode" or r["tokens"] == 1 or b is None:
+            continue
+        t_ratio = r["median_s"] / b["median_s"]
+        u_ratio = r["distinct_experts"] / b["distinct_experts"]
+        out.append({
+            "layout": r["layout"], "impl": r["impl"], "streams": r["tokens"], "time_ratio": t_ratio,
+            "distinct_ratio": u_ratio, "target": 1.1 * u_ratio, "meets_target": t_ratio <= 1.1 * u_ratio,
+        })  # fmt: skip
+    return out

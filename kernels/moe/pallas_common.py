@@ -1,0 +1,314 @@
+"""Decode math shared by the quantized-expert kernels: uint32 plane words -> f32 weights, per format.
+
+Pure integer / bit operations (shifts by scalars or by row-iota vectors, masks, selects, int->f32 converts,
+bitcasts) on 2-D uint32 word arrays whose last (lane) axis is the matrix output row, as the planes of
+`glm53.quant.planes` store them. No table lookups and no gathers, so the same code runs inside a Mosaic (TPU) kernel,
+a Pallas GPU kernel or plain XLA.
+
+A matrix [N out, K in] is decoded in *units*: one 256-weight block for block formats, the whole K for the dense
+formats (F32 / F16 / BF16). `decode_unit` returns the unit's weights as row pieces [rows, N] whose row order is
+the format's natural decode order, not the input order: row r of a unit holds input `input_order(...)[r]`. The
+kernels permute the activations instead of the weights (`permute_inputs`: a reshape + transpose, no gather), so
+that `permute_inputs(x) @ decoded == x @ W^T`.
+
+Supported (format -> decode; all bit-exact with `glm53.quant.planes.dequantize_planes`):
+  IQ4_XS   16-level table by selecting one of four packed table words (no lookup)
+  Q4_K     6-bit scale/min pairs, nibbles
+  IQ2_S_R  gather-free IQ2_S (glm53.quant.reencode): 2-bit level codes + sign bits
+  IQ3_S_R  gather-free IQ3_S: 4-bit affine codes
+  F32, F16, BF16
+The GGUF layouts of IQ2_S / IQ3_S (and the other formats) need a codebook lookup or are not written yet:
+`check_supported` raises NotImplementedError for them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from glm53.quant import tables
+from glm53.quant.formats import QuantFormat
+
+_U32 = jnp.uint32
+
+# Callbacks a kernel provides to read one unit's words:
+#   words(field, start, size, stride=1) -> uint32 [size, N]: words start, start + stride, ... of the unit's
+#       share of `field` (a field with a whole number of words per block);
+#   half16(field) -> uint32 [1, N]: the unit's 16-bit value of a 2-byte field (the f16 `d`), low half.
+Words = Callable[..., jnp.ndarray]
+Half16 = Callable[[str], jnp.ndarray]
+
+BLOCK_FORMATS = ("IQ4_XS", "Q4_K", "IQ2_S_R", "IQ3_S_R")
+DENSE_FORMATS = ("F32", "F16", "BF16")
+SUPPORTED = BLOCK_FORMATS + DENSE_FORMATS
+
+# Natural decode order of one 256-weight block: the block's input index i is reshaped to `dims` (row-major) and
+# the decoded rows run over `axes` of it (so row r holds input arange(256).reshape(dims).transpose(axes)[r]).
+_BLOCK_ORDER: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    # i = 32 ib + 16 h + 4 jj + bb: nibble h of byte bb of qs word 4 ib + jj; rows (bb, h | ib, jj)
+    "IQ4_XS": ((8, 2, 4, 4), (3, 1, 0, 2)),
+    # i = 64 c + 32 k + 4 jj + bb: nibble k of byte bb of qs word 8 c + jj; rows (bb, k | c, jj)
+    "Q4_K": ((4, 2, 8, 4), (3, 1, 0, 2)),
+    # i = 32 m + 16 p + q: 2-bit code q of levels word 2 m + p, sign bit 16 p + q of signs word m; rows (p, q | m)
+    "IQ2_S_R": ((8, 2, 16), (1, 2, 0)),
+    # i = 8 k + q: 4-bit code q of codes word k; rows (q | k)
+    "IQ3_S_R": ((32, 8), (1, 0)),
+}
+
+
+def check_supported(fmt: QuantFormat, shape: tuple[int, int], block_splits: int, what: str = "matrix") -> None:
+    """NotImplementedError when the kernels cannot decode this (format, layout, shape); `what` names the matrix."""
+    rows, cols = shape
+    if fmt.name not in SUPPORTED:
+        hint = " (use the gather-free re-encoding, glm53.quant.reencode)" if fmt.name in ("IQ2_S", "IQ3_S") else ""
+        raise NotImplementedError(
+            f"{what}: no Pallas decoder for {fmt.name}{hint}; supported: {', '.join(SUPPORTED)}"
+        )
+    if fmt.name in ("F16", "BF16"):
+        if cols % (16 * block_splits):
+            raise NotImplementedError(
+                f"{what}: {fmt.name} with {cols} inputs in {block_splits} block groups needs a multiple of 16 "
+                f"inputs per group"
+            )
+    elif fmt.name == "F32" and cols % 8:
+        raise NotImplementedError(f"{what}: F32 needs a multiple of 8 inputs, got {cols}")
+
+
+def unit_cols(fmt: QuantFormat, cols: int) -> int:
+    """Inputs per decode unit: the block size of block formats, all of `cols` for dense formats."""
+    return cols if fmt.name in DENSE_FORMATS else fmt.block_size
+
+
+def _order_spec(fmt: QuantFormat, cols: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(dims, axes) of the whole matrix's input order: reshape `cols` to dims, transpose by axes."""
+    if fmt.name in ("F16", "BF16"):  # word j holds inputs 2 j (low half) and 2 j + 1 (high half)
+        return (cols // 2, 2), (1, 0)
+    if fmt.name == "F32":
+        return (cols,), (0,)
+    dims, axes = _BLOCK_ORDER[fmt.name]
+    return (cols // fmt.block_size, *dims), (0, *(a + 1 for a in axes))
+
+
+def input_order(fmt: QuantFormat, cols: int) -> np.ndarray:
+    """int [cols]: decoded row r of the matrix (units concatenated) holds input `input_order[r]`."""
+    dims, axes = _order_spec(fmt, cols)
+    return np.arange(cols).reshape(dims).transpose(axes).reshape(cols)
+
+
+def permute_inputs(x: jnp.ndarray, fmt: QuantFormat, cols: int) -> jnp.ndarray:
+    """x [..., cols] -> x[..., input_order(fmt, cols)] (a reshape + transpose; no gather)."""
+    dims, axes = _order_spec(fmt, cols)
+    lead = x.shape[:-1]
+    n = len(lead)
+    y = x.reshape(*lead, *dims).transpose(*range(n), *(a + n for a in axes))
+    return y.reshape(*lead, cols)
+
+
+# ----------------------------------------------------------------------------------------------- bit helpers
+
+
+def f16_bits_to_f32(h: jnp.ndarray) -> jnp.ndarray:
+    """uint32 holding IEEE f16 bits in its low half -> f32 (exact for finite values, subnormals included)."""
+    sign = (h & _U32(0x8000)) << 16
+    em = h & _U32(0x7FFF)
+    normal = lax.bitcast_convert_type((em << 13) + _U32(112 << 23), jnp.float32)  # rebias exponent 15 -> 127
+    subnormal = _to_f32(em) * jnp.float32(2.0**-24)  # exponent field 0: mantissa * 2^-24
+    v = jnp.where(em < _U32(0x400), subnormal, normal)
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(v, _U32) | sign, jnp.float32)
+
+
+def _to_f32(u: jnp.ndarray) -> jnp.ndarray:
+    """Small uint32 (< 2^31) -> f32."""
+    return lax.bitcast_convert_type(u, jnp.int32).astype(jnp.float32)
+
+
+def _flip_sign(v: jnp.ndarray, bit: jnp.ndarray) -> jnp.ndarray:
+    """-v where the 0/1 uint32 `bit` is 1 (exact)."""
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(v, _U32) ^ (bit << 31), jnp.float32)
+
+
+def _row_iota(rows: int, n: int) -> jnp.ndarray:
+    return lax.broadcasted_iota(_U32, (rows, n), 0)
+
+
+def _pick_rows(vals: list[jnp.ndarray], rows: int, group: int) -> jnp.ndarray:
+    """[rows, N] whose row r is vals[r // group] (each [1, N]), by selects."""
+    n = vals[0].shape[-1]
+    g = _row_iota(rows, n) // _U32(group)
+    out = jnp.broadcast_to(vals[0], (rows, n))
+    for i, v in enumerate(vals[1:], start=1):
+        out = jnp.where(g == _U32(i), v, out)
+    return out
+
+
+_IQ4_WORDS = [int(w) for w in tables.KVALUES_IQ4NL_WORDS]  # the 16 int8 levels, 4 per little-endian word
+
+
+def _iq4_levels(q: jnp.ndarray) -> jnp.ndarray:
+    """4-bit codes (uint32) -> f32 IQ4_NL levels: select the packed table word, shift out the byte, sign-extend."""
+    w = _IQ4_WORDS
+    hi, lo = (q & _U32(8)) != 0, (q & _U32(4)) != 0
+    word = jnp.where(hi, jnp.where(lo, _U32(w[3]), _U32(w[2])), jnp.where(lo, _U32(w[1]), _U32(w[0])))
+    byte = (word >> ((q & _U32(3)) << 3)) & _U32(0xFF)
+    return _to_f32(byte ^ _U32(0x80)) - jnp.float32(128.0)
+
+
+# ------------------------------------------------------------------------------------------------ decoders
+# Each returns [(row offset within the unit, f32 [rows, N])], rows in the unit's natural decode order.
+
+
+def _dec_iq4_xs(words: Words, half16: Half16) -> list[tuple[int, jnp.ndarray]]:
+    d = f16_bits_to_f32(half16("d"))  # [1, N]
+    sh = half16("scales_h")  # [1, N]: 2 high scale bits per sub-block
+    sl = words("scales_l", 0, 1)  # [1, N]: 4 low scale bits per sub-block
+    qs = words("qs", 0, 32)  # [32, N]
+    ib = _row_iota(32, qs.shape[-1]) >> 2  # qs word j belongs to sub-block j // 4
+    ls = ((sl >> (ib << 2)) & _U32(15)) | (((sh >> (ib << 1)) & _U32(3)) << 4)
+    scale = d * (_to_f32(ls) - jnp.float32(32.0))  # [32, N]
+    return [(32 * s, scale * _iq4_levels((qs >> _U32(4 * s)) & _U32(15))) for s in range(8)]
+
+
+def _q4k_scale_min(s: list[jnp.ndarray]) -> tuple[list[jnp.ndarray], list[jnp.ndarray]]:
+    """The 12 scale bytes (3 words [1, N]) -> 8 sub-block 6-bit scales and 8 mins (uint32 [1, N] each)."""
+    sc, mn = [], []
+    for i in range(8):
+        if i < 4:
+            sc.append((s[0] >> _U32(8 * i)) & _U32(63))
+            mn.append((s[1] >> _U32(8 * i)) & _U32(63))
+        else:
+            j = i - 4
+            sc.append(((s[2] >> _U32(8 * j)) & _U32(15)) | (((s[0] >> _U32(8 * j + 6)) & _U32(3)) << 4))
+            mn.append(((s[2] >> _U32(8 * j + 4)) & _U32(15)) | (((s[1] >> _U32(8 * j + 6)) & _U32(3)) << 4))
+    return sc, mn
+
+
+def _dec_q4_k(words: Words, half16: Half16) -> list[tuple[int, jnp.ndarray]]:
+    d, dmin = f16_bits_to_f32(half16("d")), f16_bits_to_f32(half16("dmin"))  # [1, N]
+    sc, mn = _q4k_scale_min([words("scales", i, 1) for i in range(3)])
+    qs = words("qs", 0, 32)  # [32, N]; word j = 8 c + jj covers sub-blocks 2 c (low nibbles), 2 c + 1 (high)
+    dl = [d * _to_f32(v) for v in sc]
+    ml = [dmin * _to_f32(v) for v in mn]
+    scale = [_pick_rows([dl[2 * c + k] for c in range(4)], 32, 8) for k in range(2)]  # [32, N] per nibble k
+    mins = [_pick_rows([ml[2 * c + k] for c in range(4)], 32, 8) for k in range(2)]
+    out = []
+    for s in range(8):  # s = 2 bb + k
+        q = _to_f32((qs >> _U32(4 * s)) & _U32(15))
+        out.append((32 * s, scale[s % 2] * q - mins[s % 2]))
+    return out
+
+
+def _dec_iq2_s_r(words: Words, half16: Half16) -> list[tuple[int, jnp.ndarray]]:
+    d = f16_bits_to_f32(half16("d"))  # [1, N]
+    sc = [words("scales", 0, 1), words("scales", 1, 1)]  # 16 x 4-bit scales, one per 16 weights
+    sg = words("signs", 0, 8)  # [8, N]: word m = signs of weights 32 m .. 32 m + 31
+    n = sg.shape[-1]
+    m = _row_iota(8, n)
+    sw = _pick_rows(sc, 8, 4)  # scale group 2 m + p lives in word m // 4
+    out = []
+    for p in range(2):
+        lev = words("levels", p, 8, 2)  # [8, N]: levels word 2 m + p = weights 32 m + 16 p + q (2 bits each)
+        s4 = (sw >> (((m & _U32(3)) << 3) + _U32(4 * p))) & _U32(15)
+        db = d * (jnp.float32(0.5) + _to_f32(s4)) * jnp.float32(0.25)  # [8, N]
+        for q in range(16):
+            c = (lev >> _U32(2 * q)) & _U32(3)
+            g = _to_f32(_U32(8) + _U32(17) * c + (c >> 1))  # level code -> grid coordinate 8, 25, 43
+            bit = (sg >> _U32(16 * p + q)) & _U32(1)
+            out.append((8 * (16 * p + q), _flip_sign(db * g, bit)))
+    return out
+
+
+def _dec_iq3_s_r(words: Words, half16: Half16) -> list[tuple[int, jnp.ndarray]]:
+    d = f16_bits_to_f32(half16("d"))  # [1, N]
+    sc = words("scales", 0, 1)  # [1, N]: 8 x 4-bit scales, one per 32 weights
+    codes = words("codes", 0, 32)  # [32, N]: word k = weights 8 k .. 8 k + 7 (4 bits each)
+    ib = _row_iota(32, codes.shape[-1]) >> 2  # word k lies in sub-block k // 4
+    db = d * (jnp.float32(1.0) + jnp.float32(2.0) * _to_f32((sc >> (ib << 2)) & _U32(15)))  # [32, N]
+    out = []
+    for q in range(8):
+        n4 = lax.bitcast_convert_type((codes >> _U32(4 * q)) & _U32(15), jnp.int32)
+        out.append((32 * q, db * (2 * n4 - 15).astype(jnp.float32)))
+    return out
+
+
+def _dense(name: str, cols: int) -> Callable[[Words, Half16], list[tuple[int, jnp.ndarray]]]:
+    def dec(words: Words, half16: Half16) -> list[tuple[int, jnp.ndarray]]:
+        if name == "F32":
+            return [(0, lax.bitcast_convert_type(words("w", 0, cols), jnp.float32))]
+        w = words("w", 0, cols // 2)  # [cols / 2, N]: two 16-bit values per word
+        if name == "BF16":
+            lo = lax.bitcast_convert_type(w << 16, jnp.float32)
+            hi = lax.bitcast_convert_type(w & _U32(0xFFFF0000), jnp.float32)
+        else:
+            lo, hi = f16_bits_to_f32(w & _U32(0xFFFF)), f16_bits_to_f32(w >> 16)
+        return [(0, lo), (cols // 2, hi)]
+
+    return dec
+
+
+_DECODERS = {"IQ4_XS": _dec_iq4_xs, "Q4_K": _dec_q4_k, "IQ2_S_R": _dec_iq2_s_r, "IQ3_S_R": _dec_iq3_s_r}
+
+
+def decode_unit(fmt: QuantFormat, cols: int, words: Words, half16: Half16) -> list[tuple[int, jnp.ndarray]]:
+    """One unit's weights as [(row offset, f32 [rows, N])] in the natural decode order (see module docstring).
+
+    cols: the matrix's inputs (read by the dense formats, whose unit is the whole matrix).
+    """
+    if fmt.name in DENSE_FORMATS:
+        return _dense(fmt.name, cols)(words, half16)
+    return _DECODERS[fmt.name](words, half16)
+
+
+# ------------------------------------------------------------------------------ a whole matrix, unit by unit
+
+# read(field, start, size, stride) -> uint32 [size, N]: plane words start, start + stride, ... of `field`.
+Read = Callable[[str, int, int, int], jnp.ndarray]
+
+
+def paired_position(block: int, n_blocks: int, block_splits: int) -> tuple[int, int]:
+    """(plane word, half) holding block `block`'s 16-bit value of a 2-byte field (planes.py `block_splits`)."""
+    k = n_blocks // block_splits
+    kp = math.ceil(k / 2)
+    g, b = divmod(block, k)
+    return g * kp + b // 2, b % 2
+
+
+def decode_pieces(
+    fmt: QuantFormat, cols: int, block_splits: int, read: Read
+) -> list[tuple[int, jnp.ndarray]]:
+    """A matrix's planes -> [(row offset, f32 [rows, N])] covering rows 0..cols-1 in `input_order(fmt, cols)`.
+
+    `read` reads raw plane words (a ref slice in a kernel, an array slice in XLA); every piece has a multiple
+    of 8 rows at a multiple-of-8 offset.
+    """
+    if fmt.name in DENSE_FORMATS:
+        return decode_unit(fmt, cols, lambda f, start, size, stride=1: read(f, start, size, stride), None)
+    nb = cols // fmt.block_size
+    out = []
+    for b in range(nb):
+
+        def words(field, start, size, stride=1, b=b):
+            return read(field, b * (fmt.field(field).nbytes // 4) + start, size, stride)
+
+        def half16(field, b=b):
+            word, half = paired_position(b, nb, block_splits)
+            return (read(field, word, 1, 1) >> _U32(16 * half)) & _U32(0xFFFF)
+
+        out += [(b * fmt.block_size + off, piece) for off, piece in decode_unit(fmt, cols, words, half16)]
+    return out
+
+
+def decode_matrix(fmt: QuantFormat, cols: int, block_splits: int, fields: dict[str, jnp.ndarray]) -> jnp.ndarray:
+    """One matrix's planes (field -> uint32 [words, N]) -> f32 [cols, N] in `input_order` (plain jnp).
+
+    `decode_matrix(...)[argsort(input_order)]` is the transposed weight matrix W^T [cols (in), N (out)].
+    """
+
+    def read(field, start, size, stride):
+        return fields[field][start : start + (size - 1) * stride + 1 : stride]
+
+    pieces = decode_pieces(fmt, cols, block_splits, read)
+    return jnp.concatenate([p for _, p in sorted(pieces, key=lambda t: t[0])], axis=0)
