@@ -77,11 +77,18 @@ def quant_config() -> ml_collections.ConfigDict:
     )
 
 
+def mesh_config() -> ml_collections.ConfigDict:
+    """Device mesh and sharding rules (glm53.sharding.MeshConfig): the prior art's 8-way tensor parallelism
+    (every device on "model"); ``--config.mesh.rules=ep`` for expert parallelism."""
+    return ml_collections.ConfigDict(dict(axes=("data", "model"), shape=(1, -1), rules="tp"))
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     del arg
     cfg = ml_collections.ConfigDict()
     cfg.model = model_config()
     cfg.quant = quant_config()
+    cfg.mesh = mesh_config()
     cfg.seed = 0
     cfg.param_dtype = "bfloat16"
     return cfg

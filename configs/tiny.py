@@ -5,8 +5,13 @@ Variants:
   parity   hidden 64, 8 layers (DSA at 3, 7), 16 experts top-4, 32 indexer heads, swiglu_limit 2 (clamp fires)
   gguf     hidden 256, 8 layers, 16 experts of width 256 (i-quant blocks fit the expert rows), top-4
   small    hidden 1024, 8 layers (DSA at 3, 7), 32 experts -- the "small" benchmark model
+  sharded  hidden 64, 5 layers (DSA at 3, MoE at 3, 4), 8 KDA / MLA / indexer heads: every split axis divides
+           8 devices (tests/test_sharding.py)
 
   python -m experiments.generate --config=configs/tiny.py:default --prompt="hello" --max_new=16
+
+The ``mesh`` section (glm53.sharding.MeshConfig) picks the device mesh and rule set, e.g.
+``--config.mesh.shape="(2, 4)" --config.mesh.rules=ep``.
 """
 
 import ml_collections
@@ -71,6 +76,13 @@ VARIANTS = {
         index_head_dim=32,
         index_topk=16,
     ),
+    "sharded": dict(
+        num_hidden_layers=5,
+        linear_num_heads=8,
+        linear_head_dim=8,
+        num_attention_heads=8,
+        index_n_heads=8,
+    ),
     "small": dict(
         vocab_size=4096,
         hidden_size=1024,
@@ -114,10 +126,16 @@ def quant_config() -> ml_collections.ConfigDict:
     )
 
 
+def mesh_config() -> ml_collections.ConfigDict:
+    """Device mesh and sharding rules (glm53.sharding.MeshConfig): every device on "model", tensor parallel."""
+    return ml_collections.ConfigDict(dict(axes=("data", "model"), shape=(1, -1), rules="tp"))
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     cfg = ml_collections.ConfigDict()
     cfg.model = model_config(arg or "default")
     cfg.quant = quant_config()
+    cfg.mesh = mesh_config()
     cfg.seed = 0
     cfg.param_dtype = "float32"
     return cfg

@@ -137,6 +137,7 @@ def _machine() -> dict:
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
         "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "processor": platform.processor() or platform.machine(),
         "python": platform.python_version(),
         "numpy_version": np.__version__,
@@ -202,7 +203,10 @@ def format_table(records: list) -> str:
             f"{r['ratio_vs_gguf_py']:10.1f} {r['ratio_vs_ggml']:8.2f} {'yes' if r['exact'] else 'NO'}"
         )
     m = records[-1]
-    lines.append(f"jax {m['jax_version']} on {m['backend']}, {m['cpu_count']} CPUs, load {m['load_average']}")
+    lines.append(
+        f"jax {m['jax_version']} on {m['backend']}, {m['cpu_count']} CPUs ({m['cpu_affinity']} usable), "
+        f"load average {m['load_average']}"
+    )
     return "\n".join(lines)
 
 

@@ -41,8 +41,9 @@ def model_from_experiment_config(config) -> tuple[ModelConfig, Glm53Model]:
 def load_model(
     weights: str, *, experts: str | None = None, dtype=jnp.float32, **kw
 ) -> tuple[ModelConfig, Glm53Model]:
-    """A model from weights on disk: an HF safetensors folder (bf16 / fp32 / FP8) or a complete GGUF file;
-    with `experts` (a GGUF file), the HF folder's non-expert weights and that GGUF's routed experts."""
+    """A model from weights on disk: an HF safetensors folder (bf16 / fp32 / FP8), a glm53 Orbax checkpoint
+    folder (`experiments.convert`; floats cast to `dtype`) or a complete GGUF file; with `experts` (a GGUF
+    file), the HF folder's non-expert weights and that GGUF's routed experts."""
     if experts is not None:
         if not os.path.isdir(weights):
             raise ValueError(f"{weights}: with experts={experts!r} the weights must be an HF checkpoint folder")
@@ -50,6 +51,10 @@ def load_model(
 
         return gguf.load_hybrid(weights, experts, dtype=dtype, **kw)
     if os.path.isdir(weights):
+        from glm53.checkpoint import orbax_io
+
+        if orbax_io.is_checkpoint(weights):  # a glm53 Orbax checkpoint (experiments.convert)
+            return orbax_io.load_checkpoint(weights, dtype=dtype, **kw)
         from glm53.checkpoint import hf
 
         return hf.load_hf_model(weights, dtype=dtype, **kw)

@@ -97,7 +97,9 @@ def exact_oracle(model, path: str):
         if (i, "gate") not in experts:
             continue
         e = layer.mlp.experts
-        gate_up = np.concatenate([experts[i, "gate"], experts[i, "up"]], axis=1)  # [E, 2F, D], gate rows first
+        gate_up = np.concatenate(
+            [experts[i, "gate"], experts[i, "up"]], axis=1
+        )  # [E, 2F, D], gate rows first
         e.gate_up_proj.copy_(torch.from_numpy(gate_up))
         e.down_proj.copy_(torch.from_numpy(experts[i, "down"]))  # [E, D, F]
     return oracle.eval()
@@ -109,7 +111,9 @@ def tensor_types(path: str) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------------------ rewriting
-def rewrite_gguf(src: str, dst: str, *, drop=(), replace=None, add=None, metadata=None, drop_keys=(), rename=None):
+def rewrite_gguf(
+    src: str, dst: str, *, drop=(), replace=None, add=None, metadata=None, drop_keys=(), rename=None
+):
     """Copies a GGUF with gguf-py, dropping tensors, replacing / adding tensors (name -> f32 array, numpy order),
     changing metadata values (key -> value, same type), dropping keys and renaming key prefixes (old, new);
     general.architecture may be changed."""
@@ -123,7 +127,7 @@ def rewrite_gguf(src: str, dst: str, *, drop=(), replace=None, add=None, metadat
         value, vtype, sub = _field(r, key)
         value = metadata.get(key, value)
         if rename and key.startswith(rename[0]):
-            key = rename[1] + key[len(rename[0]):]
+            key = rename[1] + key[len(rename[0]) :]
         w.add_key_value(key, value, vtype, sub)
     for t in r.tensors:
         if t.name in drop:
@@ -172,7 +176,13 @@ def llama_cpp_source() -> str:
         with tarfile.open(sdist) as tf:
             members = [m for m in tf.getmembers() if any(k in m.name for k in keep)]
             tf.extractall(tmp, members=members, filter="data")
-        os.replace(os.path.join(tmp, "llama_cpp_python-0.3.36"), os.path.join(cache, "llama_cpp_python-0.3.36"))
+        try:
+            os.replace(
+                os.path.join(tmp, "llama_cpp_python-0.3.36"), os.path.join(cache, "llama_cpp_python-0.3.36")
+            )
+        except OSError:  # another process unpacked it first
+            if not os.path.exists(os.path.join(src, "convert_hf_to_gguf.py")):
+                raise
     return src
 
 

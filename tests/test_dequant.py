@@ -136,32 +136,34 @@ def test_decode_fields_per_block_dims():
     _assert_bits_equal(got.reshape(6, 256), _gguf(blocks, "IQ3_S", (6, 256)), "IQ3_S [2, 3] blocks")
 
 
-def _lowered_gathers(name: str, n_blocks: int) -> list[tuple[int, ...]]:
-    """Output shapes of the gathers in the lowered decode of n_blocks blocks."""
+def _lowered_gathers(name: str, n_blocks: int, platform: str) -> list[int]:
+    """Element counts of the gathers in the decode of n_blocks blocks as lowered for `platform`."""
     f = get_format(name)
-    text = (
-        jax.jit(lambda b: dequant.decode_blocks(name, b))
-        .lower(jax.ShapeDtypeStruct((n_blocks, f.type_size), jnp.uint8))
-        .as_text()
-    )
-    shapes = []
+    exported = jax.export.export(jax.jit(lambda b: dequant.decode_blocks(name, b)), platforms=[platform])
+    text = exported(jax.ShapeDtypeStruct((n_blocks, f.type_size), jnp.uint8)).mlir_module()
+    sizes = []
     for line in text.splitlines():
-        if "stablehlo.gather" in line or "stablehlo.dynamic_gather" in line:
-            out = line.rsplit("->", 1)[1]
-            dims = out.split("tensor<", 1)[1].split(">", 1)[0].split("x")[:-1]
-            shapes.append(tuple(int(d) for d in dims))
-    return shapes
+        if '"stablehlo.gather"' in line or '"stablehlo.dynamic_gather"' in line:
+            dims = line.rsplit("-> tensor<", 1)[1].split(">", 1)[0].split("x")[:-1]
+            sizes.append(int(np.prod([int(d) for d in dims])))
+    return sizes
 
 
 @pytest.mark.parametrize("name", GGUF_FORMATS)
 def test_gather_counts(name):
-    """Exact table reads: none for K-quants, IQ4 and the simple formats; one per 8 (IQ2) or 4 (IQ3) weights."""
-    shapes = _lowered_gathers(name, 4)
+    """Exact table reads per block as lowered for TPU: none for K-quants, IQ4 and the simple formats; one per
+    8 (IQ2) or 4 (IQ3) weights. On CPU, IQ4's 16-level table is one gather per weight instead (faster there)."""
     per_block = {"IQ2_XXS": 32, "IQ2_XS": 32, "IQ2_S": 32, "IQ3_XXS": 64, "IQ3_S": 64}.get(name, 0)
-    if per_block == 0:
-        assert shapes == []
-    else:
-        assert len(shapes) == 1 and int(np.prod(shapes[0])) == 4 * per_block, shapes
+    assert _lowered_gathers(name, 4, "tpu") == ([4 * per_block] if per_block else [])
+    if name in ("IQ4_NL", "IQ4_XS"):
+        assert _lowered_gathers(name, 4, "cpu") == [4 * get_format(name).block_size]
+
+
+def test_iq4_select_form_matches_table():
+    """The gather-free IQ4 level lookup (used off CPU) against gguf-py's table, for all 16 codes."""
+    codes = jnp.arange(16, dtype=jnp.uint32)
+    np.testing.assert_array_equal(np.asarray(dequant._iq4_levels_select(codes)), np.array(gq.IQ4_NL.kvalues))
+    np.testing.assert_array_equal(np.asarray(dequant._iq4_levels_take(codes)), np.array(gq.IQ4_NL.kvalues))
 
 
 def test_bad_inputs():
@@ -185,3 +187,18 @@ def test_bad_inputs():
         dequant.dequantize(blocks, "Q4_9", (1, 512))
     with pytest.raises(NotImplementedError, match="fp8"):
         dequant.decode_fields("FP8_E4M3", {"w": blocks[:, :1]})
+
+
+def test_bench_dequant_smoke():
+    """The benchmark entry point runs end to end on a tiny matrix and its jax impls are exact."""
+    from experiments import bench_dequant
+
+    records = bench_dequant.run(["IQ4_XS", "Q8_0"], 8, 256, 1, 4, ["jax", "jax_into"], 0)
+    assert records[-1]["type"] == "machine" and records[-1]["cpu_count"] >= 1
+    rows = records[:-1]
+    assert {(r["type"], r["impl"]) for r in rows} == {
+        (t, i) for t in ("IQ4_XS", "Q8_0") for i in ("jax", "jax_into", "gguf_py", "ggml")
+    }
+    keys = {"type", "impl", "median_s", "weights_per_s", "ratio_vs_gguf_py", "ratio_vs_ggml"}
+    assert all(keys <= set(r) and r["exact"] and r["median_s"] > 0 for r in rows)
+    assert "IQ4_XS" in bench_dequant.format_table(records)

@@ -80,6 +80,8 @@ def test_bad_inputs(rows, monkeypatch):
         ggml.quantize(rows[:, :300], "Q4_K")
     with pytest.raises(ValueError, match=r"imatrix must have shape \(512,\)"):
         ggml.quantize(rows, "IQ2_S", imatrix=np.ones(10, np.float32))
+    with pytest.raises(ValueError, match="NaN or inf"):
+        ggml.quantize(np.where(rows > 2, np.nan, rows), "IQ3_S")
     with pytest.raises(ValueError, match="2-D"):
         ggml.quantize(rows[0], "Q8_0")
     with pytest.raises(ValueError, match="not a GGML type"):

@@ -12,6 +12,7 @@ llama.cpp's quantizer to a UD-IQ3_XXS-like mix and two other mixes. Oracles:
 Run with -s to see the numbers.
 """
 
+import collections
 import dataclasses
 import json
 import os
@@ -38,17 +39,20 @@ from hf_reference import hf_logits
 from configs import tiny
 from glm53.checkpoint import gguf as gguf_ckpt
 from glm53.checkpoint import gguf_rules as rules
-from glm53.checkpoint.hf import load_hf_checkpoint
+from glm53.checkpoint.hf import load_hf_checkpoint, load_hf_weights
 from glm53.checkpoint.safetensors_file import CheckpointError
-from glm53.config import model_config_from_dict
+from glm53.config import QuantConfig, model_config_from_dict
 from glm53.io import gguf_write
 from glm53.io.gguf import open_gguf
+from glm53.model import Glm53Model
+from glm53.quant.qweight import QuantizedExperts
 
 CFG = model_config_from_dict(tiny.model_config("gguf"))
 TOKENS = [int(t) for t in np.random.default_rng(0).integers(1, CFG.vocab_size, 48)]  # 12 pools: sparse path
 MIXES = {
-    # Unsloth's UD-IQ3_XXS pattern on 5 MoE layers (3..7) + the MTP block (8, K-quants as in the release).
-    "UD-IQ3_XXS": "gate=IQ2_S,up=IQ2_S,down=IQ3_S,5.down=IQ4_XS,8.gate=Q4_K,8.up=Q4_K,8.down=Q5_K",
+    # Unsloth's UD-IQ3_XXS scaled to 5 MoE layers (3..7: IQ2_S gate/up, IQ3_S down; IQ4_XS down in 3, 4, 7;
+    # IQ3_S gate/up in 7) + the MTP block (8) in K-quants, as the release has them there.
+    "UD-IQ3_XXS": "UD-IQ3_XXS,8.gate=Q4_K,8.up=Q4_K,8.down=Q5_K",
     "Q4_K": "Q4_K",
     "mixed": "gate=IQ3_XXS,up=Q3_K,down=Q6_K,4.gate=Q8_0,4.down=Q2_K,6.up=IQ4_NL,7.down=IQ3_S",
 }
@@ -109,10 +113,31 @@ def flat_params(model) -> dict[tuple, np.ndarray]:
 def show(title, **stats):
     print(f"\n{title}")
     for k, s in stats.items():
-        print(f"  {k:<16} max|d| {s['max']:.3e}  mean|d| {s['mean']:.3e}  rel {s['rel']:.2e}  top1 {s['top1']:.3f}")
+        print(
+            f"  {k:<16} max|d| {s['max']:.3e}  mean|d| {s['mean']:.3e}  rel {s['rel']:.2e}  top1 {s['top1']:.3f}"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ the writer
+def test_expert_mix_specs():
+    ud = gguf_write.parse_mix("UD-IQ3_XXS")  # the release's 42 MoE layers: IQ2_S x82, IQ3_S x41, IQ4_XS x3
+    counts = collections.Counter(ud.format(b, m) for b in range(3, 45) for m in ("gate", "up", "down"))
+    assert counts == {"IQ2_S": 82, "IQ3_S": 41, "IQ4_XS": 3}
+    assert [ud.format(b, m) for b, m in [(11, "down"), (12, "down"), (44, "down"), (44, "gate")]] == [
+        "IQ4_XS", "IQ4_XS", "IQ4_XS", "IQ3_S"]  # fmt: skip
+    mix = gguf_write.parse_mix("gate=iq3_xxs,up=Q3_K,down=Q6_K,4.gate=Q8_0")
+    assert (mix.format(4, "gate"), mix.format(5, "gate"), mix.format(4, "up")) == ("Q8_0", "IQ3_XXS", "Q3_K")
+    assert gguf_write.parse_mix("Q4_K") == gguf_write.ExpertMix("Q4_K", "Q4_K", "Q4_K")
+    for bad, match in [
+        ("gate=Q4_K,up=Q4_K", "no type for \\['down'\\]"),
+        ("Q9_K", "unknown quantization format"),
+        ("gate=Q4_K,up=Q4_K,down=Q4_K,x.down=Q4_K", "cannot parse"),
+        ("FP8_E4M3", "not a GGUF type"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            gguf_write.parse_mix(bad)
+
+
 def test_writer_matches_llama_cpp_converter(world):
     """glm53's writer and llama.cpp's convert_hf_to_gguf.py give the same metadata, tensors, types and bytes
     (ssm_a = -exp(A_log) may differ by an ulp: torch vs numpy exp)."""
@@ -149,6 +174,9 @@ def test_f32_gguf_config_and_params_equal_hf_loader(world):
     for p, w in want.items():
         atol = 3e-7 if p[-1] == "A_log" else 0  # log(-(-exp(A_log))): exp(A_log) is kept to an f32 ulp
         np.testing.assert_allclose(got[p], w, rtol=0, atol=atol, err_msg=str(p))
+    # Without the MTP block its tensors are ignored (blk.8: 29 tensors).
+    _, trunk, report = gguf_ckpt.load_gguf_checkpoint(world.f32, dtype=jnp.float32, with_mtp=False)
+    assert trunk.mtp is None and report.ignored == {"MTP block (the model is built without one)": 29}
 
 
 def test_f32_gguf_logits_match_transformers_and_llama_cpp(world, run):
@@ -174,9 +202,9 @@ def test_f32_gguf_logits_match_transformers_and_llama_cpp(world, run):
 def test_quantized_experts_match_exact_oracle_and_llama_cpp(world, quantized, run, mix):
     path = quantized[mix]
     types = tensor_types(path)
-    spec = gguf_write.parse_mix(MIXES[mix])
+    spec = gguf_write.parse_mix(MIXES[mix], moe_layers=[3, 4, 5, 6, 7])
     for name, t in types.items():  # the file holds what the mix asked for, read by gguf-py
-        m = gguf_write._EXPERT_NAME.fullmatch(name)
+        m = gguf_write.EXPERT_NAME.fullmatch(name)
         assert t == (spec.format(int(m["block"]), m["matrix"]) if m else "F32"), name
     _, model = load(path)
     ours = run(model)
@@ -220,6 +248,29 @@ def test_expert_tensors_seam(quantized):
             np.testing.assert_array_equal(e.dequantize(), ref[block, e.matrix].transpose(0, 2, 1))
 
 
+def test_experts_kept_quantized(world, quantized):
+    """With a QuantConfig the routed experts stay GGUF blocks (QuantizedExperts planes): their bytes are the
+    file's (read by gguf-py); a file whose types differ from the config's is refused, naming each tensor."""
+    path = quantized["UD-IQ3_XXS"]
+    quant = QuantConfig(experts="ud_iq3_xxs")  # the same scaled table; the MTP block stays dense
+    _, model, _ = gguf_ckpt.load_gguf_checkpoint(path, dtype=jnp.float32, quant=quant)
+    raw = {t.name: np.asarray(t.data).reshape(-1) for t in GGUFReader(path).tensors}
+    for i in range(3, 8):
+        for m in ("gate", "up", "down"):
+            q = getattr(model.layers[i].mlp.experts, f"{m}_proj").get_value()
+            assert isinstance(q, QuantizedExperts), (i, m)
+            np.testing.assert_array_equal(
+                np.asarray(q.to_gguf_bytes()).reshape(-1), raw[f"blk.{i}.ffn_{m}_exps.weight"]
+            )
+    dense = gguf_py_experts(path)[8, "gate"].transpose(0, 2, 1)
+    np.testing.assert_array_equal(np.asarray(model.mtp.mlp.experts.gate_proj.get_value()), dense)
+    with pytest.raises(CheckpointError) as e:
+        gguf_ckpt.load_gguf_checkpoint(quantized["Q4_K"], dtype=jnp.float32, quant=quant)
+    assert len(
+        e.value.problems
+    ) == 15 and "blk.7.ffn_gate_exps.weight: Q4_K, but the model keeps this tensor as IQ3_S" in str(e.value)
+
+
 # ------------------------------------------------------------------------------------------------ other files
 @pytest.mark.parametrize("dense_type", ["Q8_0", "BF16"])
 def test_dense_tensors_of_other_types(world, tmp_path, dense_type):
@@ -241,18 +292,25 @@ def test_hybrid_hf_non_experts_plus_gguf_experts(world, quantized):
     """load_hybrid == HF loader for non-experts and == the complete-GGUF path for the experts."""
     path = quantized["UD-IQ3_XXS"]
     cfg, model = gguf_ckpt.load_hybrid(world.hf, path, dtype=jnp.float32)
-    assert cfg == CFG
+    assert dataclasses.replace(cfg, vision=None) == CFG  # the HF config (it also describes the vision tower)
     hybrid, full = flat_params(model), flat_params(load(path)[1])
     hf = flat_params(load_hf_checkpoint(world.hf, CFG, dtype=jnp.float32)[0])
     assert set(hybrid) == set(full) == set(hf)
     for p, v in hybrid.items():
         np.testing.assert_array_equal(v, full[p] if gguf_ckpt.is_routed_expert(p) else hf[p], err_msg=str(p))
+    # The HF folder's per-expert tensors (16 experts x 3 matrices x 6 MoE blocks) are not even read.
+    abstract = nnx.eval_shape(lambda: Glm53Model(CFG, rngs=nnx.Rngs(0)))
+    _, report = load_hf_weights(world.hf, abstract, CFG, skip=gguf_ckpt.is_routed_expert)
+    assert report.ignored["parameters filled from elsewhere (skip)"] == 16 * 3 * 6
+    assert report.tensors_read == len(hf) - 3 * 6  # one key per non-expert parameter
 
 
 def test_glm5next_architecture_spelling(world, tmp_path):
     """Mainline llama.cpp's `glm5next` (keys glm5next.*) loads the same as `glm5-next`."""
     path = str(tmp_path / "glm5next.gguf")
-    rewrite_gguf(world.f32, path, metadata={"general.architecture": "glm5next"}, rename=("glm5-next.", "glm5next."))
+    rewrite_gguf(
+        world.f32, path, metadata={"general.architecture": "glm5next"}, rename=("glm5-next.", "glm5next.")
+    )
     cfg, model = load(path)
     assert cfg == CFG.replace(eos_token_ids=())
     got, want = flat_params(model), flat_params(load(world.f32)[1])

@@ -270,6 +270,23 @@ def test_moe_experts_vs_f64_loop(expert_case):
     assert rel(yb["reference"], yb["dense_einsum"]) <= 2e-2 and rel(yb["reference"], want) <= 5e-2
 
 
+def test_moe_experts_few_slots_vs_f64_loop(expert_case):
+    """T*K < E (decode): the reference gathers each slot's expert instead of ragged_dot; rows 2 and 5 hold the
+    empty slot and the repeated expert."""
+    from kernels.moe import reference
+
+    x, ids, w, wg, wu, wd = expert_case
+    x, ids, w = x[[2, 5]], ids[[2, 5]], w[[2, 5]]
+    want = _np_moe(x, ids, w, wg, wu, wd, LIMIT)
+    f = lambda a: jnp.asarray(a, jnp.float32)
+    args = (f(x), jnp.asarray(ids), f(w), f(wg), f(wu), f(wd), LIMIT)
+    got = jax.jit(lambda *a: api.moe_experts(*a, LIMIT))(*args[:-1])
+    gathered = reference.moe_experts_gathered(*args)
+    print(f"few slots: reference rel {rel(got, want):.2e}, gathered rel {rel(gathered, want):.2e}")
+    assert ids.size < wg.shape[0]
+    assert rel(got, want) <= 1e-5 and rel(gathered, want) <= 1e-5
+
+
 def test_moe_experts_bad_inputs(expert_case):
     x, ids, w, wg, wu, wd = (jnp.asarray(a) for a in expert_case)
     with pytest.raises(ValueError, match="unknown implementation 'pallas_x'"):

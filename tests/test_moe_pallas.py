@@ -1,9 +1,9 @@
-"""Pallas TPU routed-expert kernels (kernels.moe.pallas_tpu) on quantized planes, run in interpret mode on CPU.
+"""Pallas TPU routed-expert kernels (kernels.moe.pallas_tpu) on quantized planes, in interpret mode on CPU.
 
 Oracle: the GGUF bytes dequantized by gguf-py (`gguf.quants.dequantize`, independent of glm53's decoders; the
-re-encoded layouts are lossless, so their oracle is the source IQ2_S / IQ3_S bytes) and the routed MoE computed
-in f64 numpy. Every kernel is also lowered for TPU with `jax.export(..., platforms=["tpu"])` (Pallas -> Mosaic),
-and the Mosaic kernels' op lists are searched for `tpu.dynamic_gather`.
+re-encoded layouts are lossless, so their oracle is the source IQ2_S / IQ3_S bytes) and the routed MoE
+computed in f64 numpy. Every kernel is also lowered for TPU with `jax.export(..., platforms=["tpu"])`
+(Pallas -> Mosaic), and the Mosaic kernels' op lists are searched for `tpu.dynamic_gather`.
 """
 
 import base64
@@ -26,7 +26,15 @@ from kernels.moe import pallas_tpu as K
 
 LIMIT = 1.0  # SwiGLU clamp: small enough that a good share of gate / up values are clamped
 # f16 `d` magnitudes that give weights of about 0.05 (activations stay O(1) through both layers)
-_D_SCALE = {"IQ4_XS": 1.5e-4, "Q4_K": 2e-4, "IQ2_S": 1e-3, "IQ3_S": 5e-4, "BF16": 0.05, "F16": 0.05, "F32": 0.05}
+_D_SCALE = {
+    "IQ4_XS": 1.5e-4,
+    "Q4_K": 2e-4,
+    "IQ2_S": 1e-3,
+    "IQ3_S": 5e-4,
+    "BF16": 0.05,
+    "F16": 0.05,
+    "F32": 0.05,
+}
 
 
 def _gguf_name(fmt: str) -> str:
@@ -84,7 +92,9 @@ def routing(t: int, k: int, n_experts: int, rng, empty: bool = False):
     """Top-k ids [T, K] from a skewed distribution with forced overlaps between tokens, and weights [T, K]."""
     p = rng.uniform(0.2, 1.0, n_experts) ** 3
     p[rng.integers(n_experts)] = 0.0  # at least one expert nobody routes to
-    ids = np.stack([rng.choice(n_experts, k, replace=False, p=p / p.sum()) for _ in range(t)]).astype(np.int32)
+    ids = np.stack([rng.choice(n_experts, k, replace=False, p=p / p.sum()) for _ in range(t)]).astype(
+        np.int32
+    )
     if t > 1:
         ids[1] = rng.permutation(ids[0])  # token 1 uses exactly token 0's experts
     if t > 2:
@@ -95,15 +105,18 @@ def routing(t: int, k: int, n_experts: int, rng, empty: bool = False):
     return ids, rng.uniform(0.05, 1.0, (t, k)).astype(np.float32)
 
 
-# (name, T, K, E, D, F, gate fmt, up fmt, down fmt, down block_splits): every format in both layer roles, streams
-# 1 / 3 / 8 / 32, and a down matrix of two blocks per row stored as two block groups (the TP "blocks" split).
+# (name, T, K, E, D, F, gate fmt, up fmt, down fmt, down block_splits): every format in some layer role,
+# streams 1 / 3 / 8 / 32, and a down matrix of two blocks per row stored as two block groups (the TP "blocks"
+# split).
 CASES = [
-    ("ud_mix_T1", 1, 8, 16, 256, 256, "IQ2_S_R", "IQ2_S_R", "IQ3_S_R", 1),
-    ("iq4_q4k_T3", 3, 4, 8, 256, 256, "IQ4_XS", "Q4_K", "IQ2_S_R", 1),
-    ("iq3_bf16_T8", 8, 4, 8, 256, 512, "IQ3_S_R", "BF16", "Q4_K", 2),
-    ("q4k_iq4_T32", 32, 4, 16, 256, 256, "Q4_K", "IQ4_XS", "F32", 1),
-    ("dense_T8", 8, 2, 8, 256, 256, "F32", "F16", "BF16", 1),
+    ("ud_mix_T1", 1, 8, 16, 256, 256, "IQ2_S_R", "IQ2_S_R", "IQ3_S_R", 1),  # the UD-IQ3_XXS mix, re-encoded
+    ("iq4_q4k_iq2s_T3", 3, 4, 8, 256, 256, "IQ4_XS", "Q4_K", "IQ2_S", 1),
+    ("iq3r_bf16_iq4_T8", 8, 4, 8, 256, 512, "IQ3_S_R", "BF16", "IQ4_XS", 2),
+    ("f32_f16_iq3s_T32", 32, 4, 16, 256, 256, "F32", "F16", "IQ3_S", 1),
 ]
+# in-register gathers (tpu.dynamic_gather, one per vreg) per 256-weight block and 128 lanes: one per 8 grid
+# entries and 128-entry table chunk (4 chunks)
+_GATHERS_PER_BLOCK = {"IQ2_S": 32 // 8 * 4, "IQ3_S": 64 // 8 * 4}
 _IDS = [c[0] for c in CASES]
 
 
@@ -117,24 +130,27 @@ def case_data(name: str):
     x = rng.standard_normal((t, d)).astype(np.float32)
     ids, wts = routing(t, k, e, rng, empty=t > 1)
     oracle = (wg, wu, wd)
-    return dict(x=x, ids=ids, w=wts, gate=gate, up=up, down=down, oracle=oracle, y=moe_f64(x, ids, wts, *oracle))
+    return dict(
+        x=x, ids=ids, w=wts, gate=gate, up=up, down=down, oracle=oracle, y=moe_f64(x, ids, wts, *oracle)
+    )
 
 
-# TPU interpret mode: simulates the BlockSpec pipeline (a block is copied in only when its index changes, an output
-# block is written back only when its index changes, revisiting an output block raises), reads past a buffer raise,
-# and uninitialized memory reads as NaN.
+# TPU interpret mode: simulates the BlockSpec pipeline (a block is copied in only when its index changes, an
+# output block is written back only when its index changes, revisiting an output block raises), reads past a
+# buffer raise, and uninitialized memory reads as NaN.
 _INTERPRET = pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
+_FAST_COMPILE = {"xla_backend_optimization_level": 0}  # the interpreted kernels are big straight-line bodies
 
 
 @functools.cache
 def _jitted(path: str, name: str):
-    """The jitted traced path (lane tile 128, row tile 8) for one case's shapes; reused with other routings."""
+    """The jitted path (lane tile 128, row tile 8, traced) for a case's shapes; reused for other routings."""
     del name  # one compiled program per case (shapes)
     if path == "decode":
         fn = lambda x, i, w, g, u, dn: K._decode_impl(x, i, w, g, u, dn, LIMIT, 128, _INTERPRET, True)
     else:
         fn = lambda x, i, w, g, u, dn: K._prefill_impl(x, i, w, g, u, dn, LIMIT, 8, 128, _INTERPRET, True)
-    return jax.jit(fn)
+    return jax.jit(fn, compiler_options=_FAST_COMPILE)
 
 
 def _call(path: str, name: str, ids=None, w=None):
@@ -147,7 +163,7 @@ def _call(path: str, name: str, ids=None, w=None):
 
 @functools.cache
 def _run(path: str, name: str):
-    """(y, trace) of the decode / prefill path on the case's routing (one compile per case, shared by tests)."""
+    """(y, trace) of the decode / prefill path on the case's routing (one compile per case, shared)."""
     return _call(path, name)
 
 
@@ -161,17 +177,17 @@ def _assert_close(y, want, rtol=1e-5):
 
 @pytest.mark.parametrize(
     "fmt, block_splits",
-    [(f, 1) for f in ("IQ4_XS", "Q4_K", "IQ2_S_R", "IQ3_S_R", "F32", "F16", "BF16")]
-    + [("IQ4_XS", 2), ("Q4_K", 2), ("BF16", 2)],
+    [(f, 1) for f in ("IQ4_XS", "Q4_K", "IQ2_S_R", "IQ3_S_R", "IQ2_S", "IQ3_S", "F32", "F16", "BF16")]
+    + [("IQ4_XS", 2), ("Q4_K", 2), ("IQ3_S", 2), ("BF16", 2)],
 )
 def test_decode_math_bit_exact_vs_gguf(fmt, block_splits):
-    """pallas_common.decode_matrix (the kernels' decode, run as plain jnp) == gguf-py's dequantize, bit for bit,
+    """pallas_common.decode_matrix (the kernels' decode, as plain jnp) == gguf-py's dequantize, bit for bit,
     once rows are put back in input order; permute_inputs is the same permutation."""
     rng = np.random.default_rng(7)
     cols = (256 if get_format(_gguf_name(fmt)).block_size == 256 else 32) * block_splits
     planes, w = make_matrix(fmt, 1, 128, cols, rng, block_splits)
     one = {k: jnp.asarray(v[0]) for k, v in planes.fields.items()}
-    dec = np.asarray(jax.jit(C.decode_matrix, static_argnums=(0, 1, 2))(planes.fmt, cols, block_splits, one))
+    dec = np.asarray(C.decode_matrix(planes.fmt, cols, block_splits, one))  # eager: no compile of a big body
     order = C.input_order(planes.fmt, cols)
     assert sorted(order.tolist()) == list(range(cols))
     got = np.empty_like(dec)
@@ -198,23 +214,25 @@ def test_prefill_matches_f64_reference(name):
 
 @pytest.mark.parametrize("path", ["decode", "prefill"])
 def test_edge_routings(path):
-    """Reusing a compiled case: every slot empty -> exactly 0; all tokens on one expert with a token listing it
+    """Reusing a compiled case: every slot empty -> exactly 0; all tokens on one expert, a token listing it
     twice (weights add) -> f64 reference."""
-    c = case_data("iq4_q4k_T3")
+    c = case_data("iq4_q4k_iq2s_T3")
     t, k = c["ids"].shape
-    y, _ = _call(path, "iq4_q4k_T3", ids=np.full((t, k), 8, np.int32))
+    y, _ = _call(path, "iq4_q4k_iq2s_T3", ids=np.full((t, k), 8, np.int32))
     assert np.array_equal(y, np.zeros_like(y))
     ids = np.array([[5, 5, 8, 5], [5, 8, 8, 8], [8, 8, 8, 5]], np.int32)
-    y, tr = _call(path, "iq4_q4k_T3", ids=ids)
+    y, tr = _call(path, "iq4_q4k_iq2s_T3", ids=ids)
     _assert_close(y, moe_f64(c["x"], ids, c["w"], *c["oracle"]))
     if path == "decode":
-        assert int(tr["n_valid"][0]) == 1 and (tr["gate_up"][..., 0, 0] >= 0).sum() == 2  # 1 expert x 2 lane blocks
+        assert (
+            int(tr["n_valid"][0]) == 1 and (tr["gate_up"][..., 0, 0] >= 0).sum() == 2
+        )  # 1 expert x 2 lane blocks
 
 
 def test_prefill_ragged_groups():
     """Row tile 8 and a skewed routing: an expert with 0 slots, experts spanning 1, 2 and 3+ row tiles."""
-    c = case_data("q4k_iq4_T32")
-    _, tr = _run("prefill", "q4k_iq4_T32")
+    c = case_data("f32_f16_iq3s_T32")
+    _, tr = _run("prefill", "f32_f16_iq3s_T32")
     sizes = np.bincount(c["ids"].ravel(), minlength=17)[:16]
     assert (sizes == 0).any() and (sizes > 16).any() and ((sizes > 0) & (sizes <= 8)).any()
     te, nvt = tr["tile_expert"], int(tr["n_tiles"][0])
@@ -223,13 +241,14 @@ def test_prefill_ragged_groups():
 
 
 def test_prefill_bf16_activations():
-    """bf16 activations (weights cast to bf16 in VMEM once per expert tile, row tile 16): within bf16 rounding."""
-    c = case_data("dense_T8")
+    """bf16 activations (weights cast to bf16 in VMEM once per expert tile, row tile 16): bf16 rounding."""
+    c = case_data("iq3r_bf16_iq4_T8")
     x = jnp.asarray(c["x"], jnp.bfloat16)
     y = jax.jit(
         lambda x, i, w, g, u, d: K.moe_prefill(
-            x, i, w, g, u, d, swiglu_limit=LIMIT, row_tile=16, lane_tile=128, interpret=_INTERPRET
-        )
+            x, i, w, g, u, d, LIMIT, row_tile=16, lane_tile=128, interpret=_INTERPRET
+        ),
+        compiler_options=_FAST_COMPILE,
     )(x, c["ids"], c["w"], c["gate"], c["up"], c["down"])
     assert y.dtype == jnp.bfloat16
     _assert_close(np.asarray(y.astype(jnp.float32)), c["y"], rtol=3e-2)
@@ -239,7 +258,7 @@ def test_prefill_bf16_activations():
 
 
 def _fetches(index_map, grid, *scalars) -> list[tuple]:
-    """Block indices Pallas DMAs, in grid order: a step fetches when its block index differs from the previous."""
+    """Block indices Pallas DMAs, in grid order: a step fetches when its block index differs from the last."""
     out, prev = [], None
     for step in np.ndindex(*grid):
         idx = tuple(int(v) for v in index_map(*step, *scalars))
@@ -251,8 +270,9 @@ def _fetches(index_map, grid, *scalars) -> list[tuple]:
 
 @pytest.mark.parametrize("name", _IDS)
 def test_decode_fetches_each_distinct_expert_once(name):
-    """Per decode step, each kernel fetches (DMA schedule of its index maps) and decodes (kernel trace) one weight
-    tile per (distinct expert, lane block): weight bytes = distinct experts x expert bytes, not tokens x k."""
+    """Per decode step each kernel fetches (DMA schedule of its index maps) and decodes (kernel trace) one
+    weight tile per (distinct expert, lane block): weight bytes = distinct experts x expert bytes, not
+    tokens x k."""
     c = case_data(name)
     _, tr = _run("decode", name)
     e, f, d = c["gate"].lead_shape[0], c["gate"].rows, c["gate"].cols
@@ -277,7 +297,7 @@ def test_decode_fetches_each_distinct_expert_once(name):
 
 def test_prefill_decodes_each_expert_tile_once():
     """Prefill: an expert spanning several row tiles is fetched and decoded once per lane block."""
-    for name in ("q4k_iq4_T32", "iq3_bf16_T8"):
+    for name in ("f32_f16_iq3s_T32", "iq3r_bf16_iq4_T8"):
         c = case_data(name)
         _, tr = _run("prefill", name)
         e = c["gate"].lead_shape[0]
@@ -286,7 +306,7 @@ def test_prefill_decodes_each_expert_tile_once():
             for row in trace:  # one lane block
                 assert sorted(row[row >= 0].tolist()) == distinct
         nvt = int(tr["n_tiles"][0])
-        assert nvt > len(distinct) or name != "q4k_iq4_T32"  # some expert spans several tiles
+        assert nvt > len(distinct) or name != "f32_f16_iq3s_T32"  # some expert spans several tiles
         w_map, _, _ = K._prefill_maps()
         nt = len(tr["tile_expert"])
         fetched = _fetches(w_map, (2, nt), jnp.asarray(tr["tile_expert"]), jnp.asarray(tr["n_tiles"]))
@@ -330,37 +350,55 @@ def test_gather_counter_sees_gathers():
 
 @pytest.mark.parametrize("name", _IDS)
 @pytest.mark.parametrize("path", ["decode", "prefill"])
-def test_lowers_for_tpu_without_gathers(name, path):
-    """Both kernels of each path lower through Pallas -> Mosaic for TPU (f32 and bf16 activations) with no
-    tpu.dynamic_gather (no table lookups: 0 gathers per 1024 weights)."""
+def test_lowers_for_tpu_and_counts_gathers(name, path):
+    """Both kernels of each path lower through Pallas -> Mosaic for TPU (f32; bf16 activations too for two
+    cases). Gathers: none for every layout but the GGUF codebook ones (IQ2_S, IQ3_S), which have exactly one
+    in-register lane gather per 8 grid entries x 128 lanes x table chunk (IQ2_S 0.5, IQ3_S 1 per 1024
+    weights)."""
     c = case_data(name)
-    for dtype in (np.float32, jnp.bfloat16):
+    want = []  # expected gathers of the gate+up kernel, then of the down kernel (default lane tile 256 here)
+    for mats in ((c["gate"], c["up"]), (c["down"],)):
+        want.append(sum(_GATHERS_PER_BLOCK.get(p.fmt.name, 0) * p.n_blocks * 256 // 128 for p in mats))
+    for dtype in (np.float32, jnp.bfloat16) if name in ("ud_mix_T1", "iq4_q4k_iq2s_T3") else (np.float32,):
         x = np.zeros(c["x"].shape, dtype)
         if path == "decode":
-            fn = lambda x, i, w, g, u, d: K.moe_decode(x, i, w, g, u, d, swiglu_limit=LIMIT)
+            fn = lambda x, i, w, g, u, d: K.moe_decode(x, i, w, g, u, d, LIMIT)
         else:
-            fn = lambda x, i, w, g, u, d: K.moe_prefill(x, i, w, g, u, d, swiglu_limit=LIMIT, row_tile=128)
+            fn = lambda x, i, w, g, u, d: K.moe_prefill(x, i, w, g, u, d, LIMIT, row_tile=128)
         ops = _mosaic_ops(_export_tpu(fn, x, c["ids"], c["w"], c["gate"], c["up"], c["down"]))
         assert len(ops) == 2  # gate+up kernel, down kernel
         assert all("tpu.matmul" in o for o in ops)
-        assert sum(o.count("tpu.dynamic_gather") for o in ops) == 0
+        assert sorted(o.count("tpu.dynamic_gather") for o in ops) == sorted(want)
 
 
 # ------------------------------------------------------------------------------------------- unsupported
 
 
-@pytest.mark.parametrize("fmt", ["IQ2_S", "IQ3_S", "Q6_K"])
-def test_unsupported_formats_raise_not_implemented(fmt):
-    """GGUF-layout codebook formats (and formats without a kernel decoder) -> NotImplementedError naming them."""
+@pytest.mark.parametrize("fmt, rows", [("Q6_K", 256), ("IQ3_XXS", 256), ("IQ2_S", 64)])
+def test_unsupported_raise_not_implemented(fmt, rows):
+    """Formats without a kernel decoder, or a codebook lookup on under 128 lanes -> NotImplementedError."""
     c = case_data("ud_mix_T1")
-    bad, _ = make_matrix(fmt, 16, 256, 256, np.random.default_rng(0))
-    with pytest.raises(NotImplementedError, match=f"gate .*{fmt}"):
-        K.moe_decode(c["x"], c["ids"], c["w"], bad, c["up"], c["down"], swiglu_limit=LIMIT, interpret=True)
+    bad, _ = make_matrix(fmt, 16, rows, 256, np.random.default_rng(0))
+    if rows == 256:
+        with pytest.raises(NotImplementedError, match=f"gate .*{fmt}"):
+            K.moe_decode(c["x"], c["ids"], c["w"], bad, c["up"], c["down"], LIMIT, interpret=True)
     with pytest.raises(NotImplementedError, match=fmt):
-        K.check_supported(c["gate"], c["up"], bad)
+        C.check_supported(bad.fmt, bad.shape, 1, "down")
 
 
 def test_mismatched_shapes_raise():
-    c = case_data("iq3_bf16_T8")
+    c = case_data("iq3r_bf16_iq4_T8")
     with pytest.raises(ValueError, match="down planes"):
         K.check_supported(c["gate"], c["up"], c["gate"])
+
+
+def test_moe_experts_dispatch(monkeypatch):
+    """moe_experts: decode kernels up to `decode_max_tokens` tokens, prefill kernels beyond."""
+    calls = []
+    monkeypatch.setattr(K, "moe_decode", lambda *a, **kw: calls.append("decode"))
+    monkeypatch.setattr(K, "moe_prefill", lambda *a, **kw: calls.append("prefill"))
+    c = case_data("iq4_q4k_iq2s_T3")
+    args = (c["x"], c["ids"], c["w"], c["gate"], c["up"], c["down"], LIMIT)
+    K.moe_experts(*args, decode_max_tokens=3)
+    K.moe_experts(*args, decode_max_tokens=2)
+    assert calls == ["decode", "prefill"]

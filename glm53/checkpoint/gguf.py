@@ -8,8 +8,9 @@ parameter. Tensors of any GGUF type glm53 decodes (F32 / F16 / BF16 / Q8_0 / K- 
 to the parameter dtype on load. Problems (missing / unexpected tensors, wrong shapes, unsupported types,
 unreadable bytes) are collected and raised once, as one `CheckpointError` naming every tensor.
 
-Routed experts are decoded to dense [E, in, out] arrays for now. `expert_tensors` is the seam for keeping them
-quantized: per (layer, matrix) it gives the GGUF tensor's format, shape and a reader of its raw blocks.
+Routed experts are decoded to dense [E, in, out] arrays, or -- for a model built with a `QuantConfig` -- kept
+as the GGUF blocks (`glm53.quant.qweight.QuantizedExperts`). `expert_tensors` is the seam: per (layer, matrix)
+it gives the GGUF tensor's format, shape and a reader of its raw blocks.
 
 Hybrid (`load_hybrid`): everything but the routed experts from an HF folder (bf16 / fp32 / FP8, via
 `glm53.checkpoint.hf`; the folder's expert tensors, if any, are not read), the routed experts from a GGUF.
@@ -134,7 +135,7 @@ class ExpertTensor:
 
     @property
     def matrix(self) -> str:
-        """ "gate" / "up" / "down"."""
+        """The matrix: "gate", "up" or "down"."""
         return str(self.path[-1]).removesuffix("_proj")
 
     @property
@@ -146,6 +147,12 @@ class ExpertTensor:
         """Raw bytes of experts [start, stop): uint8 [stop - start, out * row bytes]."""
         stop = self.shape[0] if stop is None else stop
         return self.gguf.read_tensor_rows(self.name, start, stop)
+
+    def quantized(self, layout: str = "planes"):
+        """The experts kept quantized: a `glm53.quant.qweight.QuantizedExperts` (host planes, no decoding)."""
+        from glm53.quant.qweight import QuantizedExperts
+
+        return QuantizedExperts.from_gguf_bytes(self.read(), self.format, self.shape, layout, name=self.name)
 
     def dequantize(self, dtype=np.float32) -> np.ndarray:
         """All experts decoded into our layout [E, in, out] of `dtype` (host numpy)."""
@@ -226,6 +233,28 @@ def _expert_tensors(g: GGUFModel, targets, problems: _Problems) -> dict[Path, Ex
     return out
 
 
+def _expert_value(et: ExpertTensor, abstract, put, problems: _Problems):
+    """A routed-expert parameter from its GGUF tensor: a QuantizedExperts when the model keeps experts quantized
+    (the file's format must be the one the model was built for), else dense [E, in, out]; None on a problem."""
+    from glm53.quant.qweight import QuantizedExperts
+
+    if not isinstance(abstract, QuantizedExperts):
+        value = et.dequantize(np.dtype(abstract.dtype))
+        return put(et.path, value, getattr(abstract, "sharding", None))
+    if et.format.name != abstract.format_name:
+        problems.add(
+            "type", f"{et.name}: {et.format.name}, but the model keeps this tensor as {abstract.format_name}"
+        )
+        return None
+    q = et.quantized(abstract.layout)
+    try:
+        q.check_like(abstract, et.name)
+    except ValueError as e:
+        problems.add("shape", str(e))
+        return None
+    return jax.tree.map(lambda a: put(et.path, np.asarray(a), None), q)
+
+
 def _put(path: Path, value: np.ndarray, sharding) -> jax.Array:
     return jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
 
@@ -255,9 +284,15 @@ def load_gguf_weights(
             continue
         try:
             if t.is_expert:
-                value = ExpertTensor(path, t.names[0], infos[0].format, tuple(infos[0].shape), g).dequantize()
+                et = ExpertTensor(path, t.names[0], infos[0].format, tuple(infos[0].shape), g)
+                value = _expert_value(et, abstract, put, problems)
+                if value is None:
+                    continue
             else:
                 value = rules.from_gguf(t.kind, [decode_tensor(g, info) for info in infos])
+                value = put(
+                    path, np.asarray(value, np.dtype(abstract.dtype)), getattr(abstract, "sharding", None)
+                )
         except (GGUFError, OSError) as e:
             problems.add("file", f"{', '.join(t.names)}: cannot read: {e}")
             continue
@@ -269,9 +304,7 @@ def load_gguf_weights(
             report.bytes_read += info.nbytes
             report.types[info.type_name] += 1
         report.params_loaded += 1
-        values[path] = put(
-            path, np.asarray(value, np.dtype(abstract.dtype)), getattr(abstract, "sharding", None)
-        )
+        values[path] = value
     mtp_prefix = f"blk.{cfg.num_hidden_layers}."
     loads_mtp = any(p[0] == "mtp" for p in targets)
     for name in g.tensors:
@@ -300,11 +333,14 @@ def load_gguf_checkpoint(
     dtype=jnp.bfloat16,
     kernels: dict[str, str] | None = None,
     with_mtp: bool | None = None,
+    quant=None,
     put=None,
 ) -> tuple[ModelConfig, nnx.Module, GGUFLoadReport]:
     """Builds `Glm53Model` abstractly (config from the GGUF metadata unless `cfg` is given) and loads the GGUF.
 
     with_mtp: None builds the MTP block when the file has one; True requires it; False ignores it.
+    quant: a `glm53.config.QuantConfig` to keep the routed experts quantized (their GGUF blocks become
+    `QuantizedExperts` planes, no decoding; each tensor's type must be the one `quant` gives it); None: dense.
     Returns (cfg, model, report).
     """
     from glm53.model import Glm53Model
@@ -314,7 +350,9 @@ def load_gguf_checkpoint(
         if with_mtp is None:
             with_mtp = has_mtp(g, cfg)
         abstract = nnx.eval_shape(
-            lambda: Glm53Model(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels, with_mtp=with_mtp)
+            lambda: Glm53Model(
+                cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels, with_mtp=with_mtp, quant=quant
+            )
         )
         model, report = load_gguf_weights(g, abstract, cfg, put=put)
     return cfg, model, report
@@ -339,14 +377,16 @@ def load_hybrid(
     dtype=jnp.bfloat16,
     kernels: dict[str, str] | None = None,
     with_mtp: bool = True,
+    quant=None,
     put=None,
     **hf_kw,
 ) -> tuple[ModelConfig, nnx.Module]:
     """Non-expert weights from the HF folder `hf_dir`, routed experts from `experts_gguf`.
 
     The config is the HF folder's (unless `cfg` is given); each GGUF expert tensor must have the shape that
-    config implies (blk.N for trunk layer N, blk.{num_hidden_layers} for the MTP block when with_mtp). Other
-    keyword arguments go to `glm53.checkpoint.hf.load_hf_weights` (e.g. int8). Returns (cfg, model).
+    config implies (blk.N for trunk layer N, blk.{num_hidden_layers} for the MTP block when with_mtp). quant:
+    as `load_gguf_checkpoint`. Other keyword arguments go to `glm53.checkpoint.hf.load_hf_weights` (e.g. int8).
+    Returns (cfg, model).
     """
     from glm53.checkpoint.hf import load_hf_weights
     from glm53.config import load_hf_config
@@ -354,7 +394,9 @@ def load_hybrid(
 
     cfg = load_hf_config(hf_dir) if cfg is None else cfg
     abstract = nnx.eval_shape(
-        lambda: Glm53Model(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels, with_mtp=with_mtp)
+        lambda: Glm53Model(
+            cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels, with_mtp=with_mtp, quant=quant
+        )
     )
     model, _ = load_hf_weights(hf_dir, abstract, cfg, skip=is_routed_expert, put=put, **hf_kw)
     put = put or _put
@@ -377,13 +419,13 @@ def load_hybrid(
         problems.raise_if_any()
         values = {}
         for path, et in experts.items():
-            abstract = targets[path][1]
             try:
-                value = et.dequantize(np.dtype(abstract.dtype))
+                value = _expert_value(et, targets[path][1], put, problems)
             except (GGUFError, OSError) as e:
                 problems.add("file", f"{et.name}: cannot read: {e}")
                 continue
-            values[path] = put(path, value, getattr(abstract, "sharding", None))
+            if value is not None:
+                values[path] = value
         problems.raise_if_any()
     for path, var in flat:
         if tuple(path) in values:

@@ -119,7 +119,7 @@ class Target:
 
     @property
     def matrix(self) -> str:
-        """ "gate" / "up" / "down" for routed-expert targets."""
+        """The matrix of a routed-expert target: "gate", "up" or "down"."""
         return str(self.path[-1]).removesuffix("_proj")
 
 

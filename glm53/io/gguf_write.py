@@ -10,9 +10,10 @@
   `mix` with llama.cpp's quantizer (``ggml_quantize_chunk`` via `glm53.quant.ggml`; the i-quants that need an
   importance matrix get an all-ones one). Every other tensor and every metadata key is copied unchanged.
 
-Mixes: a single type ("Q4_K"), a named mix ("UD-IQ3_XXS": IQ2_S gate/up, IQ3_S down, IQ4_XS down in blocks 11,
-12 and 44, as Unsloth's release; its MTP-block types are not reproduced), or a spec string
-"gate=IQ2_S,up=IQ2_S,down=IQ3_S,5.down=IQ4_XS" (``N.matrix=TYPE`` overrides block N).
+Mixes (`parse_mix`): a single type ("Q4_K"), "gate=IQ2_S,up=IQ2_S,down=IQ3_S", or "UD-IQ3_XXS" (Unsloth's
+release: IQ2_S gate/up and IQ3_S down; IQ4_XS down in blocks 11, 12, 44 and IQ3_S gate/up in block 44, scaled to
+the model's MoE layers; its MTP-block types are not reproduced), each optionally followed by ",N.matrix=TYPE"
+overrides of block N.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from glm53.quant.formats import GGUF_FORMATS, get_format
 
 Path = rules.Path
 DENSE_TYPES = ("F32", "F16", "BF16", "Q8_0")
-_EXPERT_NAME = re.compile(r"blk\.(?P<block>\d+)\.ffn_(?P<matrix>gate|up|down)_exps\.weight")
+EXPERT_NAME = re.compile(r"blk\.(?P<block>\d+)\.ffn_(?P<matrix>gate|up|down)_exps\.weight")
 # llama.cpp's general.file_type (LLAMA_FTYPE_*) for a file whose large matrices are of one type.
 _FILE_TYPE = {"F32": 0, "F16": 1, "Q8_0": 7, "BF16": 32}
 
@@ -54,7 +55,9 @@ class ExpertMix:
                 raise ValueError(f"expert mix: {t!r} is not a GGUF type; choose from {list(GGUF_FORMATS)}")
         for _, m, _ in self.overrides:
             if m not in rules.EXPERT_MATRICES:
-                raise ValueError(f"expert mix: unknown matrix {m!r}; expected one of {list(rules.EXPERT_MATRICES)}")
+                raise ValueError(
+                    f"expert mix: unknown matrix {m!r}; expected one of {list(rules.EXPERT_MATRICES)}"
+                )
 
     def format(self, block: int, matrix: str) -> str:
         for b, m, t in self.overrides:
@@ -63,34 +66,54 @@ class ExpertMix:
         return get_format(getattr(self, matrix)).name
 
 
-MIXES: dict[str, ExpertMix] = {
-    "UD-IQ3_XXS": ExpertMix("IQ2_S", "IQ2_S", "IQ3_S", ((11, "down", "IQ4_XS"), (12, "down", "IQ4_XS"),
-                                                          (44, "down", "IQ4_XS"))),  # fmt: skip
-}
+UD_IQ3_XXS = "UD-IQ3_XXS"
 
 
-def parse_mix(spec: str | ExpertMix) -> ExpertMix:
-    """An ExpertMix from a named mix, a single GGUF type, or "gate=T,up=T,down=T[,N.matrix=T...]"."""
+def ud_iq3_xxs(moe_layers) -> ExpertMix:
+    """Unsloth's UD-IQ3_XXS mix for a model whose MoE blocks are `moe_layers` (the release's table for its 42
+    layers, scaled to other counts by `glm53.quant.qweight.ud_iq3_xxs_mix`); other blocks (MTP) IQ2_S / IQ3_S."""
+    from glm53.quant.qweight import ud_iq3_xxs_mix
+
+    base = {"gate": "IQ2_S", "up": "IQ2_S", "down": "IQ3_S"}
+    table = ud_iq3_xxs_mix(list(moe_layers))
+    return ExpertMix(
+        **base, overrides=tuple((b, m, t) for (b, m), t in sorted(table.items()) if t != base[m])
+    )
+
+
+def parse_mix(spec: str | ExpertMix, moe_layers=None) -> ExpertMix:
+    """An ExpertMix from a spec: a single GGUF type ("Q4_K"), "gate=T,up=T,down=T", or "UD-IQ3_XXS", each
+    optionally followed by block overrides ",N.matrix=T". moe_layers: the MoE blocks "UD-IQ3_XXS" is scaled to
+    (default: the release's, 3..44)."""
     if isinstance(spec, ExpertMix):
         return spec
-    if spec in MIXES:
-        return MIXES[spec]
-    if "=" not in spec:
-        return ExpertMix(spec, spec, spec)
-    base, overrides = {}, []
-    for part in spec.split(","):
-        key, _, value = part.strip().partition("=")
+    parts = [p.strip() for p in spec.split(",")]
+    base, overrides, rest = {}, [], parts
+    if "=" not in parts[0]:
+        if parts[0].upper().replace("-", "_") == UD_IQ3_XXS.replace("-", "_"):
+            from glm53.quant import budget
+
+            ud = ud_iq3_xxs(budget.MOE_LAYERS if moe_layers is None else moe_layers)
+            base, overrides = {m: getattr(ud, m) for m in rules.EXPERT_MATRICES}, list(ud.overrides)
+        else:
+            base = dict.fromkeys(rules.EXPERT_MATRICES, parts[0])
+        rest = parts[1:]
+    for part in rest:
+        key, _, value = part.partition("=")
         if re.fullmatch(r"\d+\.(gate|up|down)", key):
             block, matrix = key.split(".")
             overrides.append((int(block), matrix, value))
         elif key in rules.EXPERT_MATRICES:
             base[key] = value
         else:
-            raise ValueError(f"expert mix {spec!r}: cannot parse {part!r} (expected gate=T, up=T, down=T or N.down=T)")
+            raise ValueError(
+                f"expert mix {spec!r}: cannot parse {part!r} (expected gate=T, up=T, down=T or N.down=T)"
+            )
     missing = [m for m in rules.EXPERT_MATRICES if m not in base]
     if missing:
         raise ValueError(f"expert mix {spec!r}: no type for {missing}")
-    return ExpertMix(base["gate"], base["up"], base["down"], tuple(overrides))
+    # later overrides win: ExpertMix.format takes the first match
+    return ExpertMix(base["gate"], base["up"], base["down"], tuple(reversed(overrides)))
 
 
 # ------------------------------------------------------------------------------------------------ encoding
@@ -119,10 +142,6 @@ def _dense_format(name: str, a: np.ndarray, dense_type: str) -> str:
     return dense_type
 
 
-def _value_type(v) -> GGUFValueType:
-    return GGUFValueType.get_type(v)
-
-
 def model_params(model: nnx.Module) -> dict[Path, np.ndarray]:
     """Every Param of a (concrete) model as host f32 numpy, keyed by path."""
     _, state = nnx.split(model)
@@ -149,14 +168,15 @@ def write_gguf(
     dense_type = get_format(dense_type).name
     if dense_type not in DENSE_TYPES:
         raise ValueError(f"dense_type {dense_type!r}: expected one of {list(DENSE_TYPES)}")
-    mix = parse_mix(experts) if experts is not None else ExpertMix(dense_type, dense_type, dense_type)
+    moe = [i for i, t in enumerate(cfg.mlp_layer_types) if t == "moe"]
+    mix = parse_mix(experts, moe) if experts is not None else ExpertMix(dense_type, dense_type, dense_type)
     with_mtp = any(p[0] == "mtp" for p in params)
     w = GGUFWriter(os.fspath(path), arch)
     w.add_type("model")
     w.add_name(name)
     for key, value, vtype in rules.metadata_from_config(cfg, with_mtp=with_mtp):
         if vtype == GGUFValueType.ARRAY:
-            w.add_key_value(f"{arch}.{key}", value, vtype, _value_type(value[0]))
+            w.add_key_value(f"{arch}.{key}", value, vtype, GGUFValueType.get_type(value[0]))
         else:
             w.add_key_value(f"{arch}.{key}", value, vtype)
     w.add_file_type(_FILE_TYPE[dense_type])
@@ -196,21 +216,23 @@ def convert_hf_to_gguf(
     return cfg
 
 
-def quantize_experts(
-    src: str | os.PathLike, dst: str | os.PathLike, mix: ExpertMix | str
-) -> dict[str, str]:
+def quantize_experts(src: str | os.PathLike, dst: str | os.PathLike, mix: ExpertMix | str) -> dict[str, str]:
     """Copies the GGUF `src` to `dst` with every routed-expert tensor re-quantized per `mix`.
 
     Source experts of any type glm53 decodes are first decoded to f32. Returns {tensor name: new type}.
     """
     from glm53.checkpoint.gguf import decode_tensor, open_gguf_model
 
-    mix = parse_mix(mix)
     changed = {}
     with open_gguf_model(src) as g:
         if len(g.shards) != 1:
-            raise ValueError(f"{g.name}: split GGUFs are not supported by quantize_experts (merge them first)")
+            raise ValueError(
+                f"{g.name}: split GGUFs are not supported by quantize_experts (merge them first)"
+            )
         arch = g.get("general.architecture")
+        trunk = int(g.get(f"{arch}.block_count", 0)) - int(g.get(f"{arch}.nextn_predict_layers", 0))
+        blocks = {int(m["block"]) for m in map(EXPERT_NAME.fullmatch, g.tensors) if m}
+        mix = parse_mix(mix, sorted(b for b in blocks if b < trunk))
         w = GGUFWriter(os.fspath(dst), arch)
         for key, v in g.metadata.items():
             if key == "general.architecture":
@@ -220,7 +242,7 @@ def quantize_experts(
                 continue
             w.add_key_value(key, v.to_python(), v.type, v.item_type)
         for info in g:
-            m = _EXPERT_NAME.fullmatch(info.name)
+            m = EXPERT_NAME.fullmatch(info.name)
             if m is None:
                 data = g.read_tensor_bytes(info.name)
                 w.add_tensor(info.name, data.reshape(*info.shape[:-1], -1),
@@ -228,7 +250,9 @@ def quantize_experts(
                 continue
             fmt = mix.format(int(m["block"]), m["matrix"])
             if info.format is None:
-                raise ValueError(f"{g.name}: {info.name} has GGUF type {info.type_name}, which glm53 cannot decode")
+                raise ValueError(
+                    f"{g.name}: {info.name} has GGUF type {info.type_name}, which glm53 cannot decode"
+                )
             data, raw = encode(decode_tensor(g, info), fmt)
             w.add_tensor(info.name, data, raw_dtype=raw)
             changed[info.name] = fmt

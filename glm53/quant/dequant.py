@@ -12,8 +12,9 @@ Three layers, each built on the one before:
 All functions are jit-able; formats and shapes are static. Every product below is exact in f32 (an f16 scale
 has 11 significant bits and the integer factors at most 12 together), so the result does not depend on the
 order of the multiplications; the K-quants' one subtraction rounds once, as in gguf-py.
-Codebook (IQ2/IQ3 grid) lookups are one small-table `jnp.take` per 8 (IQ2) or 4 (IQ3) weights; signs, the IQ4
-16-level table and all K-quant decoding are bit arithmetic without gathers.
+Codebook (IQ2/IQ3 grid) lookups are one small-table `jnp.take` per 8 (IQ2) or 4 (IQ3) weights; signs and all
+K-quant decoding are bit arithmetic without gathers; the IQ4 16-level table is a gather on CPU only (faster
+there) and word selects on every other platform.
 """
 
 from __future__ import annotations
@@ -85,18 +86,32 @@ def _ksigns(idx7: jax.Array) -> jax.Array:
     return idx7 | ((lax.population_count(idx7) & 1) << 7)
 
 
-def _iq4_levels(q: jax.Array) -> jax.Array:
-    """4-bit codes (uint32) -> IQ4_NL levels as int32, by selecting a packed word of the 16-byte table."""
+def _iq4_levels_select(q: jax.Array) -> jax.Array:
+    """4-bit codes (uint32) -> IQ4_NL levels as int32 without a gather: pick one of the table's 4 packed words."""
     w = [int(v) for v in tables.KVALUES_IQ4NL_WORDS]
     hi, lo = (q & 8) != 0, (q & 4) != 0
     word = jnp.where(hi, jnp.where(lo, _U32(w[3]), _U32(w[2])), jnp.where(lo, _U32(w[1]), _U32(w[0])))
     return _i8(word >> ((q & 3) << 3))
 
 
+def _iq4_levels_take(q: jax.Array) -> jax.Array:
+    """4-bit codes (uint32) -> IQ4_NL levels as int32 by a gather from the 16-entry table."""
+    return jnp.take(jnp.asarray(tables.KVALUES_IQ4NL.astype(np.int32)), q.astype(jnp.int32), mode="clip")
+
+
+def _iq4_levels(q: jax.Array) -> jax.Array:
+    """4-bit codes -> IQ4_NL levels: a 16-entry gather on CPU (measured 1.7-2x faster there), selects elsewhere.
+
+    TPUs gather slowly and Pallas cannot lower an element gather, so every other platform gets the select form.
+    """
+    return lax.platform_dependent(q, cpu=_iq4_levels_take, default=_iq4_levels_select)
+
+
 def _nibbles(qs: jax.Array) -> jax.Array:
     """uint8 [..., 16 k] -> uint32 [..., k, 32]: per 16-byte run, its 16 low nibbles then its 16 high nibbles."""
-    q = _u(qs).reshape(qs.shape[:-1] + (-1, 16))
-    return jnp.concatenate([q & 15, q >> 4], axis=-1)
+    # Split in uint8: when XLA:CPU materializes this (IQ4's lookup reads it three times) it costs 1 byte/weight.
+    q = qs.reshape(qs.shape[:-1] + (-1, 16))
+    return _u(jnp.concatenate([q & jnp.uint8(15), q >> jnp.uint8(4)], axis=-1))
 
 
 def _kquant_scale_min(scales: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -130,7 +130,7 @@ def quantize(
 ) -> bytes:
     """Quantizes f32 rows [n, k] to `fmt` with llama.cpp's quantizer; returns the n * row_bytes GGUF bytes.
 
-    `imatrix` is the per-column importance [k]; types that require one (IQ2_XXS, IQ2_XS, IQ2_S, IQ1_*) get an
+    `imatrix` is the per-column importance [k]; types that ggml says require one (IQ2_XXS, IQ2_XS) get an
     all-ones matrix when it is None. Rows are split over `threads` workers (default: all CPUs).
     """
     f = _gguf_format(fmt)
@@ -142,6 +142,8 @@ def quantize(
         raise ValueError(
             f"quantize({f.name}): row length {k} is not a multiple of the block size {f.block_size}"
         )
+    if not np.isfinite(x).all():  # llama.cpp's i-quant searches abort the process on NaN/inf
+        raise ValueError(f"quantize({f.name}): rows contain NaN or inf")
     if imatrix is None and requires_imatrix(f):
         imatrix = np.ones(k, np.float32)
     im = None

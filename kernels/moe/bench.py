@@ -15,8 +15,9 @@ token per stream; "prefill": many tokens), layout, implementation and token coun
                          weight_bytes bytes (read + write of a uint32 array) achieved by this implementation
 
 Implementations: "reference" (api reference: dequantize every expert, sort + ragged_dot), "dequant_all"
-(dequantize every expert, then xla_quant's matmuls on the dense weights: the "dequantize everything then
-matmul" baseline), "xla_quant" (decode / prefill form by op) and "pallas_tpu" (TPU backend only; interpret-mode
+(one program dequantizes every expert into HBM, a second runs xla_quant's matmuls on those dense weights: the
+"dequantize everything then matmul" baseline; in a single program XLA would fuse the expert gather into the
+dequantization), "xla_quant" (decode / prefill form by op) and "pallas_tpu" (TPU backend only; interpret-mode
 timings mean nothing, so elsewhere it is skipped with a note). Routing is uniform: each token picks top_k distinct
 experts at random (seeded), as the U(N) formula assumes.
 """
@@ -159,18 +160,17 @@ def _impl_fn(impl: str, op: str, s: Settings) -> Callable:
             else functools.partial(xla_quant.moe_experts_prefill, tile_rows=s.tile_rows)
         )
     elif impl == "dequant_all":
-        inner = (
-            functools.partial(xla_quant.moe_experts_decode, experts_per_step=s.experts_per_step)
-            if op == "decode"
-            else functools.partial(xla_quant.moe_experts_prefill, tile_rows=s.tile_rows)
+        inner = jax.jit(
+            lambda x, ids, w, g, u, d: (
+                xla_quant.moe_experts_decode(x, ids, w, g, u, d, LIMIT, experts_per_step=s.experts_per_step)
+                if op == "decode"
+                else xla_quant.moe_experts_prefill(x, ids, w, g, u, d, LIMIT, tile_rows=s.tile_rows)
+            )
         )
-
-        def run(x, ids, w, g, u, d, limit):
-            # The barrier keeps XLA from fusing the expert gather into the dequantization (which would
-            # dequantize only the gathered experts): every expert is dequantized and materialized.
-            dense = jax.lax.optimization_barrier(tuple(q.dequantize(x.dtype) for q in (g, u, d)))
-            return inner(x, ids, w, *dense, limit)
-
+        # Two programs: inside one, XLA fuses the expert gather into the dequantization and dequantizes only
+        # the gathered experts; here every expert is dequantized and materialized, then the matmuls run.
+        dequant_all = jax.jit(lambda g, u, d, dtype: tuple(q.dequantize(dtype) for q in (g, u, d)), static_argnums=3)
+        return lambda x, ids, w, g, u, d: inner(x, ids, w, *dequant_all(g, u, d, x.dtype))
     elif impl == "pallas_tpu":
         run = functools.partial(api.moe_experts, implementation=f"pallas_tpu_{op}")
     else:  # pragma: no cover - Settings validates

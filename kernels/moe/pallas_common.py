@@ -1,24 +1,27 @@
 """Decode math shared by the quantized-expert kernels: uint32 plane words -> f32 weights, per format.
 
-Pure integer / bit operations (shifts by scalars or by row-iota vectors, masks, selects, int->f32 converts,
+Integer / bit operations (shifts by scalars or by row-iota vectors, masks, selects, int->f32 converts,
 bitcasts) on 2-D uint32 word arrays whose last (lane) axis is the matrix output row, as the planes of
-`glm53.quant.planes` store them. No table lookups and no gathers, so the same code runs inside a Mosaic (TPU) kernel,
-a Pallas GPU kernel or plain XLA.
+`glm53.quant.planes` store them. Apart from the codebook lookup of the two GGUF codebook layouts (a callback),
+nothing gathers, so the same code runs inside a Mosaic (TPU) kernel, a Pallas GPU kernel or plain XLA.
 
-A matrix [N out, K in] is decoded in *units*: one 256-weight block for block formats, the whole K for the dense
-formats (F32 / F16 / BF16). `decode_unit` returns the unit's weights as row pieces [rows, N] whose row order is
-the format's natural decode order, not the input order: row r of a unit holds input `input_order(...)[r]`. The
-kernels permute the activations instead of the weights (`permute_inputs`: a reshape + transpose, no gather), so
-that `permute_inputs(x) @ decoded == x @ W^T`.
+A matrix [N out, K in] is decoded in *units*: one 256-weight block for block formats, the whole K for the
+dense formats (F32 / F16 / BF16). `decode_unit` returns the unit's weights as row pieces [rows, N] whose row
+order is the format's natural decode order, not the input order: row r of a unit holds input
+`input_order(...)[r]`. The kernels permute the activations instead of the weights (`permute_inputs`: a
+reshape + transpose, no gather), so that `permute_inputs(x) @ decoded == x @ W^T`.
 
-Supported (format -> decode; all bit-exact with `glm53.quant.planes.dequantize_planes`):
+Supported formats (all bit-exact with gguf-py's dequantize):
   IQ4_XS   16-level table by selecting one of four packed table words (no lookup)
-  Q4_K     6-bit scale/min pairs, nibbles
+  Q4_K     6-bit scale / min pairs, nibbles
   IQ2_S_R  gather-free IQ2_S (glm53.quant.reencode): 2-bit level codes + sign bits
   IQ3_S_R  gather-free IQ3_S: 4-bit affine codes
+  IQ2_S    GGUF layout: 1024-entry grid, two 16-bit level-code entries per table word, looked up
+  IQ3_S    GGUF layout: 512-entry grid, one word of 4 magnitudes per entry, looked up
   F32, F16, BF16
-The GGUF layouts of IQ2_S / IQ3_S (and the other formats) need a codebook lookup or are not written yet:
-`check_supported` raises NotImplementedError for them.
+The GGUF codebook layouts take a `lookup` callback over `lookup_table(fmt)`, a uint32 [4, 128] table (four
+128-lane chunks): a TPU kernel resolves an index with one in-vreg lane gather per chunk plus selects, XLA with
+a take. Other formats: `check_supported` raises NotImplementedError.
 """
 
 from __future__ import annotations
@@ -35,47 +38,80 @@ from glm53.quant.formats import QuantFormat
 
 _U32 = jnp.uint32
 
-# Callbacks a kernel provides to read one unit's words:
+# Callbacks a kernel provides to read one unit's words (and, for IQ2_S / IQ3_S, to look the codebook up):
 #   words(field, start, size, stride=1) -> uint32 [size, N]: words start, start + stride, ... of the unit's
 #       share of `field` (a field with a whole number of words per block);
 #   half16(field) -> uint32 [1, N]: the unit's 16-bit value of a 2-byte field (the f16 `d`), low half.
 Words = Callable[..., jnp.ndarray]
 Half16 = Callable[[str], jnp.ndarray]
+#   lookup(index) -> uint32: word `index` (uint32 [rows, N], < 512) of `lookup_table(fmt)`.
+Lookup = Callable[[jnp.ndarray], jnp.ndarray]
 
-BLOCK_FORMATS = ("IQ4_XS", "Q4_K", "IQ2_S_R", "IQ3_S_R")
+LOOKUP_FORMATS = ("IQ2_S", "IQ3_S")
+BLOCK_FORMATS = ("IQ4_XS", "Q4_K", "IQ2_S_R", "IQ3_S_R") + LOOKUP_FORMATS
 DENSE_FORMATS = ("F32", "F16", "BF16")
 SUPPORTED = BLOCK_FORMATS + DENSE_FORMATS
 
-# Natural decode order of one 256-weight block: the block's input index i is reshaped to `dims` (row-major) and
-# the decoded rows run over `axes` of it (so row r holds input arange(256).reshape(dims).transpose(axes)[r]).
+# Natural decode order of one 256-weight block: the block's input index i is reshaped to `dims` (row-major)
+# and the decoded rows run over `axes` of it: row r holds input arange(256).reshape(dims).transpose(axes)[r].
 _BLOCK_ORDER: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     # i = 32 ib + 16 h + 4 jj + bb: nibble h of byte bb of qs word 4 ib + jj; rows (bb, h | ib, jj)
     "IQ4_XS": ((8, 2, 4, 4), (3, 1, 0, 2)),
     # i = 64 c + 32 k + 4 jj + bb: nibble k of byte bb of qs word 8 c + jj; rows (bb, k | c, jj)
     "Q4_K": ((4, 2, 8, 4), (3, 1, 0, 2)),
-    # i = 32 m + 16 p + q: 2-bit code q of levels word 2 m + p, sign bit 16 p + q of signs word m; rows (p, q | m)
+    # i = 32 m + 16 p + q: 2-bit code q of levels word 2 m + p, sign bit 16 p + q of signs word m;
+    # rows (p, q | m)
     "IQ2_S_R": ((8, 2, 16), (1, 2, 0)),
     # i = 8 k + q: 4-bit code q of codes word k; rows (q | k)
     "IQ3_S_R": ((32, 8), (1, 0)),
+    # i = 32 k + 8 bb + c: coordinate c of grid entry 4 k + bb, sign bit 8 bb + c of signs word k;
+    # rows (bb, c | k)
+    "IQ2_S": ((8, 32), (1, 0)),
+    # i = 32 m + 16 p + 4 bb + c: coordinate c of grid entry 8 m + 4 p + bb; rows (p, bb, c | m)
+    "IQ3_S": ((8, 32), (1, 0)),
 }
 
 
-def check_supported(fmt: QuantFormat, shape: tuple[int, int], block_splits: int, what: str = "matrix") -> None:
-    """NotImplementedError when the kernels cannot decode this (format, layout, shape); `what` names the matrix."""
+def lookup_table(fmt: QuantFormat) -> np.ndarray | None:
+    """uint32 [4, 128] codebook words of a GGUF codebook format (None for the others).
+
+    IQ2_S: word t = level codes of grid entry 2 t | those of entry 2 t + 1 << 16 (8 x 2 bits each);
+    IQ3_S: word t = the 4 magnitude bytes of grid entry t.
+    """
+    if fmt.name == "IQ2_S":
+        codes = tables.GRID_CODES["IQ2_S"].astype(np.uint32).reshape(512, 2)
+        return (codes[:, 0] | (codes[:, 1] << np.uint32(16))).reshape(4, 128)
+    if fmt.name == "IQ3_S":
+        return tables.GRID_WORDS["IQ3_S"][:, 0].astype(np.uint32).reshape(4, 128)
+    return None
+
+
+def check_supported(
+    fmt: QuantFormat, shape: tuple[int, int], block_splits: int, what: str = "matrix"
+) -> None:
+    """NotImplementedError when the kernels cannot decode (format, layout, shape); `what` names the matrix."""
     rows, cols = shape
     if fmt.name not in SUPPORTED:
-        hint = " (use the gather-free re-encoding, glm53.quant.reencode)" if fmt.name in ("IQ2_S", "IQ3_S") else ""
+        hint = (
+            " (use the gather-free re-encoding, glm53.quant.reencode)"
+            if fmt.name in ("IQ2_S", "IQ3_S")
+            else ""
+        )
         raise NotImplementedError(
             f"{what}: no Pallas decoder for {fmt.name}{hint}; supported: {', '.join(SUPPORTED)}"
         )
     if fmt.name in ("F16", "BF16"):
         if cols % (16 * block_splits):
             raise NotImplementedError(
-                f"{what}: {fmt.name} with {cols} inputs in {block_splits} block groups needs a multiple of 16 "
-                f"inputs per group"
+                f"{what}: {fmt.name} with {cols} inputs in {block_splits} block groups needs a multiple "
+                f"of 16 inputs per group"
             )
     elif fmt.name == "F32" and cols % 8:
         raise NotImplementedError(f"{what}: F32 needs a multiple of 8 inputs, got {cols}")
+    elif fmt.name in LOOKUP_FORMATS and rows % 128:
+        raise NotImplementedError(
+            f"{what}: the {fmt.name} codebook lookup needs a multiple of 128 rows, got {rows}"
+        )
 
 
 def unit_cols(fmt: QuantFormat, cols: int) -> int:
@@ -149,7 +185,7 @@ _IQ4_WORDS = [int(w) for w in tables.KVALUES_IQ4NL_WORDS]  # the 16 int8 levels,
 
 
 def _iq4_levels(q: jnp.ndarray) -> jnp.ndarray:
-    """4-bit codes (uint32) -> f32 IQ4_NL levels: select the packed table word, shift out the byte, sign-extend."""
+    """4-bit codes (uint32) -> f32 IQ4_NL levels: select the packed table word, shift out the byte, extend."""
     w = _IQ4_WORDS
     hi, lo = (q & _U32(8)) != 0, (q & _U32(4)) != 0
     word = jnp.where(hi, jnp.where(lo, _U32(w[3]), _U32(w[2])), jnp.where(lo, _U32(w[1]), _U32(w[0])))
@@ -234,6 +270,50 @@ def _dec_iq3_s_r(words: Words, half16: Half16) -> list[tuple[int, jnp.ndarray]]:
     return out
 
 
+def _level(c: jnp.ndarray) -> jnp.ndarray:
+    """IQ2 level code 0..2 -> grid coordinate 8, 25, 43 as f32."""
+    return _to_f32(_U32(8) + _U32(17) * c + (c >> 1))
+
+
+def _dec_iq2_s(words: Words, half16: Half16, lookup: Lookup) -> list[tuple[int, jnp.ndarray]]:
+    d = f16_bits_to_f32(half16("d"))  # [1, N]
+    qs = words("qs", 0, 8)  # [8, N]: word k = low index bytes of grid entries 4 k .. 4 k + 3
+    sg = words("signs", 0, 8)  # [8, N]: word k = signs of weights 32 k .. 32 k + 31
+    k8 = (_row_iota(8, qs.shape[-1]) & _U32(3)) << 3  # byte k % 4 of the qh / scales word k // 4
+    qh = _pick_rows([words("qh", 0, 1), words("qh", 1, 1)], 8, 4)  # 2 index bits per entry
+    sc = _pick_rows([words("scales", 0, 1), words("scales", 1, 1)], 8, 4)  # a 4-bit scale per 16 weights
+    out = []
+    for bb in range(4):  # entry 4 k + bb = weights 32 k + 8 bb .. + 7
+        idx = ((qs >> _U32(8 * bb)) & _U32(255)) | (((qh >> (k8 + _U32(2 * bb))) & _U32(3)) << 8)
+        code = (lookup(idx >> 1) >> ((idx & _U32(1)) << 4)) & _U32(0xFFFF)  # 8 level codes of 2 bits
+        s4 = (sc >> (k8 + _U32(4 * (bb // 2)))) & _U32(15)
+        db = d * (jnp.float32(0.5) + _to_f32(s4)) * jnp.float32(0.25)  # [8, N]
+        for c in range(8):
+            bit = (sg >> _U32(8 * bb + c)) & _U32(1)
+            out.append((8 * (8 * bb + c), _flip_sign(db * _level((code >> _U32(2 * c)) & _U32(3)), bit)))
+    return out
+
+
+def _dec_iq3_s(words: Words, half16: Half16, lookup: Lookup) -> list[tuple[int, jnp.ndarray]]:
+    d = f16_bits_to_f32(half16("d"))  # [1, N]
+    sg = words("signs", 0, 8)  # [8, N]: word m = signs of weights 32 m .. 32 m + 31
+    m = _row_iota(8, sg.shape[-1])
+    sc = words("scales", 0, 1)  # 8 x 4-bit scales, one per 32 weights (sub-block m)
+    db = d * (jnp.float32(1.0) + jnp.float32(2.0) * _to_f32((sc >> (m << 2)) & _U32(15)))  # [8, N]
+    qh = _pick_rows([words("qh", 0, 1), words("qh", 1, 1)], 8, 4)  # high index bit of entry i: bit i % 32
+    out = []
+    for p in range(2):
+        qs = words("qs", p, 8, 2)  # [8, N]: qs word 2 m + p = low index bytes of entries 8 m + 4 p + bb
+        for bb in range(4):
+            hb = (qh >> (((m & _U32(3)) << 3) + _U32(4 * p + bb))) & _U32(1)
+            grid = lookup(((qs >> _U32(8 * bb)) & _U32(255)) | (hb << 8))  # [8, N]: 4 magnitude bytes
+            for c in range(4):
+                q = 16 * p + 4 * bb + c  # weight 32 m + q
+                bit = (sg >> _U32(q)) & _U32(1)
+                out.append((8 * q, _flip_sign(db * _to_f32((grid >> _U32(8 * c)) & _U32(255)), bit)))
+    return out
+
+
 def _dense(name: str, cols: int) -> Callable[[Words, Half16], list[tuple[int, jnp.ndarray]]]:
     def dec(words: Words, half16: Half16) -> list[tuple[int, jnp.ndarray]]:
         if name == "F32":
@@ -250,15 +330,21 @@ def _dense(name: str, cols: int) -> Callable[[Words, Half16], list[tuple[int, jn
 
 
 _DECODERS = {"IQ4_XS": _dec_iq4_xs, "Q4_K": _dec_q4_k, "IQ2_S_R": _dec_iq2_s_r, "IQ3_S_R": _dec_iq3_s_r}
+_LOOKUP_DECODERS = {"IQ2_S": _dec_iq2_s, "IQ3_S": _dec_iq3_s}
 
 
-def decode_unit(fmt: QuantFormat, cols: int, words: Words, half16: Half16) -> list[tuple[int, jnp.ndarray]]:
+def decode_unit(
+    fmt: QuantFormat, cols: int, words: Words, half16: Half16, lookup: Lookup | None = None
+) -> list[tuple[int, jnp.ndarray]]:
     """One unit's weights as [(row offset, f32 [rows, N])] in the natural decode order (see module docstring).
 
-    cols: the matrix's inputs (read by the dense formats, whose unit is the whole matrix).
+    cols: the matrix's inputs (read by the dense formats, whose unit is the whole matrix); lookup: the
+    codebook callback, required by LOOKUP_FORMATS.
     """
     if fmt.name in DENSE_FORMATS:
         return _dense(fmt.name, cols)(words, half16)
+    if fmt.name in _LOOKUP_DECODERS:
+        return _LOOKUP_DECODERS[fmt.name](words, half16, lookup)
     return _DECODERS[fmt.name](words, half16)
 
 
@@ -269,7 +355,7 @@ Read = Callable[[str, int, int, int], jnp.ndarray]
 
 
 def paired_position(block: int, n_blocks: int, block_splits: int) -> tuple[int, int]:
-    """(plane word, half) holding block `block`'s 16-bit value of a 2-byte field (planes.py `block_splits`)."""
+    """(plane word, half) holding block `block`'s 16-bit value of a 2-byte field (planes.py block_splits)."""
     k = n_blocks // block_splits
     kp = math.ceil(k / 2)
     g, b = divmod(block, k)
@@ -277,12 +363,12 @@ def paired_position(block: int, n_blocks: int, block_splits: int) -> tuple[int, 
 
 
 def decode_pieces(
-    fmt: QuantFormat, cols: int, block_splits: int, read: Read
+    fmt: QuantFormat, cols: int, block_splits: int, read: Read, lookup: Lookup | None = None
 ) -> list[tuple[int, jnp.ndarray]]:
     """A matrix's planes -> [(row offset, f32 [rows, N])] covering rows 0..cols-1 in `input_order(fmt, cols)`.
 
     `read` reads raw plane words (a ref slice in a kernel, an array slice in XLA); every piece has a multiple
-    of 8 rows at a multiple-of-8 offset.
+    of 8 rows at a multiple-of-8 offset. `lookup` resolves codebook indices (LOOKUP_FORMATS only).
     """
     if fmt.name in DENSE_FORMATS:
         return decode_unit(fmt, cols, lambda f, start, size, stride=1: read(f, start, size, stride), None)
@@ -297,11 +383,14 @@ def decode_pieces(
             word, half = paired_position(b, nb, block_splits)
             return (read(field, word, 1, 1) >> _U32(16 * half)) & _U32(0xFFFF)
 
-        out += [(b * fmt.block_size + off, piece) for off, piece in decode_unit(fmt, cols, words, half16)]
+        pieces = decode_unit(fmt, cols, words, half16, lookup)
+        out += [(b * fmt.block_size + off, piece) for off, piece in pieces]
     return out
 
 
-def decode_matrix(fmt: QuantFormat, cols: int, block_splits: int, fields: dict[str, jnp.ndarray]) -> jnp.ndarray:
+def decode_matrix(
+    fmt: QuantFormat, cols: int, block_splits: int, fields: dict[str, jnp.ndarray]
+) -> jnp.ndarray:
     """One matrix's planes (field -> uint32 [words, N]) -> f32 [cols, N] in `input_order` (plain jnp).
 
     `decode_matrix(...)[argsort(input_order)]` is the transposed weight matrix W^T [cols (in), N (out)].
@@ -310,5 +399,10 @@ def decode_matrix(fmt: QuantFormat, cols: int, block_splits: int, fields: dict[s
     def read(field, start, size, stride):
         return fields[field][start : start + (size - 1) * stride + 1 : stride]
 
-    pieces = decode_pieces(fmt, cols, block_splits, read)
+    table = lookup_table(fmt)
+
+    def lookup(idx):
+        return jnp.take(jnp.asarray(table.reshape(-1)), idx.astype(jnp.int32), mode="clip")
+
+    pieces = decode_pieces(fmt, cols, block_splits, read, lookup if table is not None else None)
     return jnp.concatenate([p for _, p in sorted(pieces, key=lambda t: t[0])], axis=0)

@@ -5,6 +5,8 @@ or `glm53.quant.qweight.QuantizedExperts` of those kernel shapes. Every contract
 through exactly one of two functions, `grouped_matmul` (sorted path) and `expert_einsum` (dense path), which
 dequantize a QuantizedExperts whole (every expert, f32 values cast to x's dtype) before the matmul: this is the
 oracle, not a fast path (see `kernels.moe.xla_quant`). The routing / sort / combine code only reads ``w.shape``.
+With dense weights and fewer slots than experts (decode), `moe_experts` instead gathers each slot's expert
+matrices (`moe_experts_gathered`).
 
 Slot ids must lie in [0, E]; an id equal to E marks an empty slot that contributes zero (useful for capacity
 dropping or expert-parallel shards). Activations stay in x's dtype between matmuls; matmuls accumulate in f32;
@@ -57,9 +59,15 @@ def moe_experts(
     w_down,
     swiglu_limit: float,
 ) -> jnp.ndarray:
-    """sum_k w[t,k] * Expert_{ids[t,k]}(x[t]) via sort-by-expert + ragged_dot; [T, D] in x's dtype."""
+    """sum_k w[t,k] * Expert_{ids[t,k]}(x[t]) via sort-by-expert + ragged_dot; [T, D] in x's dtype.
+
+    With dense weights and fewer routed slots than experts (T*K < E: decode), each slot's expert weights are
+    gathered instead (`moe_experts_gathered`): ragged_dot may cost as much as every expert on every row.
+    """
     t, k = topk_ids_tk.shape
     e = w_gate.shape[0]
+    if t * k < e and not any(isinstance(w, QuantizedExperts) for w in (w_gate, w_up, w_down)):
+        return moe_experts_gathered(x_td, topk_ids_tk, topk_w_tk, w_gate, w_up, w_down, swiglu_limit)
     ids = topk_ids_tk.reshape(t * k).astype(jnp.int32)  # slot s = token * k + j
     order = jnp.argsort(ids, stable=True)  # [T*K] slots sorted by expert
     tok = (order // k).astype(jnp.int32)  # token of each sorted slot
@@ -72,6 +80,33 @@ def moe_experts(
     w_sorted = topk_w_tk.reshape(t * k).astype(jnp.float32)[order]
     w_sorted = jnp.where(ids[order] < e, w_sorted, 0.0)
     y = jax.ops.segment_sum(o * w_sorted[:, None], tok, num_segments=t)  # [T, D] f32
+    return y.astype(x_td.dtype)
+
+
+def moe_experts_gathered(
+    x_td: jnp.ndarray,
+    topk_ids_tk: jnp.ndarray,
+    topk_w_tk: jnp.ndarray,
+    w_gate: jnp.ndarray,
+    w_up: jnp.ndarray,
+    w_down: jnp.ndarray,
+    swiglu_limit: float,
+) -> jnp.ndarray:
+    """Same result as `moe_experts` with dense weights by gathering one expert's weights per routed slot
+    (T*K expert matrices read: the cheap path for few slots)."""
+    t, k = topk_ids_tk.shape
+    e = w_gate.shape[0]
+    ids = topk_ids_tk.reshape(t * k).astype(jnp.int32)  # slot s = token * k + j
+    safe = jnp.where(ids < e, ids, 0)  # empty slots (id E) read expert 0 and get weight 0
+    xs = jnp.repeat(x_td, k, axis=0)  # [T*K, D]
+
+    def mm(spec, a, w):  # against each slot's expert matrix w[ids[s]]
+        return jnp.einsum(spec, a, w[safe].astype(a.dtype), precision=_HIGHEST, preferred_element_type=jnp.float32)
+
+    h = clamped_swiglu(mm("sd,sdf->sf", xs, w_gate), mm("sd,sdf->sf", xs, w_up), swiglu_limit)
+    o = mm("sf,sfd->sd", h.astype(x_td.dtype), w_down)  # [T*K, D] f32
+    w_s = jnp.where(ids < e, topk_w_tk.reshape(t * k).astype(jnp.float32), 0.0)
+    y = jnp.sum((o * w_s[:, None]).reshape(t, k, -1), axis=1)  # [T, D] f32
     return y.astype(x_td.dtype)
 
 

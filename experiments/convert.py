@@ -1,0 +1,43 @@
+"""Convert HF safetensors (+ GGUF routed experts) into a glm53 Orbax checkpoint.
+
+  python -m experiments.convert --hf=HF_DIR --out=CKPT_DIR
+  python -m experiments.convert --hf=HF_DIR --gguf=EXPERTS.gguf --out=CKPT_DIR --dtype=bf16 --int8
+  python -m experiments.convert --hf=HF_DIR --gguf=M-00001-of-00003.gguf --gguf=M-00002-of-00003.gguf ... --out=CKPT_DIR
+
+Non-expert weights come from the HF folder (bf16 / fp32 / FP8, cast to --dtype, or per-channel int8 with --int8);
+routed experts from the GGUF (kept as planes of their GGUF formats, --quant_layout), or from the HF folder
+(dense) without --gguf. A progress bar counts units (one per layer and per layer's experts). The checkpoint is
+written under CKPT_DIR.partial and renamed to CKPT_DIR when complete; rerunning an interrupted conversion with
+the same arguments resumes it. Use the result with ``python -m experiments.score --weights=CKPT_DIR``.
+"""
+
+from absl import app, flags
+
+from glm53.checkpoint import orbax_io
+
+_HF = flags.DEFINE_string("hf", None, "HF safetensors folder (config.json + weights)", required=True)
+_GGUF = flags.DEFINE_multi_string("gguf", [], "GGUF file with the routed experts (repeat for split shards)")
+_OUT = flags.DEFINE_string("out", None, "output checkpoint directory (must not exist)", required=True)
+_DTYPE = flags.DEFINE_enum("dtype", "bf16", ["bf16", "bfloat16", "float32", "f32"], "floating parameter dtype")
+_INT8 = flags.DEFINE_bool("int8", False, "store large non-expert matrices as per-channel int8")
+_INT8_MIN = flags.DEFINE_integer("int8_min_size", 1 << 20, "with --int8: matrices of at least this many weights")
+_LAYOUT = flags.DEFINE_enum("quant_layout", "planes", ["planes", "reencoded"], "quantized expert layout")
+_MTP = flags.DEFINE_bool("mtp", True, "include the MTP block (layer num_hidden_layers)")
+_CHUNK = flags.DEFINE_integer("chunk_bytes", orbax_io.DEFAULT_CHUNK_BYTES, "Orbax chunk size (sharded-read unit)")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    try:
+        out = orbax_io.convert(
+            _HF.value, _OUT.value, gguf=_GGUF.value, dtype=_DTYPE.value, int8=_INT8.value,
+            int8_min_size=_INT8_MIN.value, layout=_LAYOUT.value, with_mtp=_MTP.value, chunk_bytes=_CHUNK.value,
+        )  # fmt: skip
+    except orbax_io.CheckpointError as e:
+        raise app.UsageError(str(e)) from None
+    print(orbax_io.convert_cli_summary(out))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,245 @@
+"""HF (+ GGUF experts) -> glm53 Orbax checkpoint -> restored model, checked against the model the hybrid loader
+(`glm53.checkpoint.gguf.load_hybrid`) builds from the same files.
+
+The model is the `sharded` tiny variant (8 heads, so every split divides the mesh) with expert width 128, a
+randomized transformers model saved as an HF folder (+ MTP block); its experts are re-quantized by llama.cpp's
+quantizer to gate Q8_0 / up Q4_0 / down Q8_0 (block 32, 2-byte f16 scales: the down matrices' 4 input blocks
+are split over the 4-device "model" axis of a (2, 4) TP mesh, which needs their planes re-paired on restore).
+Run with -s to see the numbers.
+"""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+from gguf_fixtures import make_hf_folder
+
+from configs import tiny
+from glm53 import sharding as S
+from glm53.checkpoint import gguf as gguf_ckpt
+from glm53.checkpoint import orbax_io
+from glm53.checkpoint.safetensors_file import CheckpointError
+from glm53.config import QuantConfig, model_config_from_dict
+from glm53.io import gguf_write
+from glm53.quant.int8 import Int8Weight
+from glm53.quant.qweight import QuantizedExperts
+
+CFG = model_config_from_dict(tiny.model_config("sharded")).replace(moe_intermediate_size=128)
+MIX = "gate=Q8_0,up=Q4_0,down=Q8_0"
+INT8_MIN = 2048  # int8 for the tiny model's larger non-expert kernels
+CHUNK = 2048  # small Orbax chunks, so that shards are whole chunks even in the tiny model
+TOKENS = np.random.default_rng(0).integers(1, CFG.vocab_size, (2, 24)).astype(np.int32)
+KW = dict(dtype="float32", int8=True, int8_min_size=INT8_MIN, chunk_bytes=CHUNK, progress=False)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    d = tmp_path_factory.mktemp("convert")
+    hf = str(d / "hf")
+    make_hf_folder(hf, CFG, seed=0)
+    f32, q = str(d / "f32.gguf"), str(d / "experts.gguf")
+    gguf_write.convert_hf_to_gguf(hf, f32)
+    gguf_write.quantize_experts(f32, q, MIX)
+    ckpt = orbax_io.convert(hf, str(d / "ckpt"), gguf=[q], **KW)
+    quant = QuantConfig(experts=MIX)
+    _, ref = gguf_ckpt.load_hybrid(hf, q, dtype=jnp.float32, quant=quant, int8=True, int8_min_size=INT8_MIN)
+    return dict(dir=d, hf=hf, gguf=q, ckpt=ckpt, ref=ref)
+
+
+def logits(model) -> np.ndarray:
+    graphdef, state = nnx.split(model)
+    return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)[0])(state, jnp.asarray(TOKENS)))
+
+
+def flat_leaves(model) -> dict[str, np.ndarray]:
+    """Every array of the model's parameters (Int8Weight / QuantizedExperts leaves included) as host arrays."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]:
+        out[jax.tree_util.keystr(path)] = np.asarray(leaf)
+    return out
+
+
+def param_values(model) -> dict[str, object]:
+    return {orbax_io.path_str(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}
+
+
+def rel(a, b) -> float:
+    return float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())
+
+
+def test_checkpoint_layout_and_manifest(world):
+    meta = orbax_io.read_metadata(world["ckpt"])
+    kinds = {e["path"]: e["kind"] for e in meta["manifest"]}
+    ref = param_values(world["ref"])
+    assert set(kinds) == set(ref)
+    for name, v in ref.items():
+        want = "int8" if isinstance(v, Int8Weight) else "quantized" if isinstance(v, QuantizedExperts) else "array"
+        assert kinds[name] == want, name
+    q = [e for e in meta["manifest"] if e["kind"] == "quantized"]
+    assert {e["format"] for e in q} == {"Q8_0", "Q4_0"} and all(e["block_splits"] == 1 for e in q)
+    assert sum(k == "int8" for k in kinds.values()) >= 10
+    assert meta["quant"]["experts"] == {"gate": "Q8_0", "up": "Q4_0", "down": "Q8_0"}
+    assert os.path.exists(os.path.join(world["ckpt"], orbax_io.COMPLETE))
+    assert not os.path.exists(world["ckpt"] + orbax_io.PARTIAL_SUFFIX)
+    assert meta["units"][:3] == ["embed", "layers.0", "layers.1"] and "layers.3.experts" in meta["units"]
+    print(f"\n{orbax_io.convert_cli_summary(world['ckpt'])}")
+
+
+def test_restore_unsharded_equals_hybrid_loader(world):
+    model = orbax_io.restore_model(world["ckpt"])
+    got, want = flat_leaves(model), flat_leaves(world["ref"])
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    a, b = logits(model), logits(world["ref"])
+    print(f"\nunsharded restore vs load_hybrid: max|d| {np.abs(a - b).max():.1e} over {a.size} logits")
+    np.testing.assert_array_equal(a, b)
+
+
+def _chunks_within_shards(ckpt: str, model) -> int:
+    """Checks that every stored chunk lies inside one device's shard of the leaf it was restored to (so a device
+    reads only its own shard), except the re-paired 2-byte planes; returns how many leaves were checked."""
+    meta = orbax_io.read_metadata(ckpt)
+    leaves = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]}
+    checked = 0
+    for unit in meta["units"]:
+        md = ocp.PyTreeCheckpointer().metadata(os.path.join(ckpt, "units", unit, "arrays")).item_metadata.tree
+        for path, m in jax.tree_util.tree_flatten_with_path(md)[0]:
+            keys = [str(getattr(k, "key", k)) for k in path]
+            if "planes" in keys and keys[-1] in ("d", "dmin", "scales_h"):
+                continue
+            name = ".".join(keys).replace(".values", "").replace(".scale", "").replace(".planes", "")
+            cand = [x for k, x in leaves.items() if _key_path(k) == ".".join(keys)]
+            assert len(cand) == 1, (name, [k for k in leaves if name in _key_path(k)][:4])
+            shard = cand[0].sharding.shard_shape(cand[0].shape)
+            chunk = m.storage.chunk_shape
+            assert all(s % c == 0 for s, c in zip(shard, chunk)), (name, shard, chunk)
+            checked += 1
+    return checked
+
+
+def _key_path(keystr: str) -> str:
+    """'['layers'][3]['mlp']...' -> 'layers.3.mlp...' (Variable / Planes / dict levels dropped)."""
+    parts = [p.strip("'\"]") for p in keystr.replace(".", "[").split("[") if p.strip("'\"]")]
+    return ".".join(p for p in parts if p not in ("value", "raw_value", "fields"))
+
+
+def test_restore_sharded_equals_sharded_hybrid_loader(world):
+    mesh = S.make_mesh(dict(axes=("data", "model"), shape=(2, 4), rules="tp"))
+    model = orbax_io.restore_model(world["ckpt"], mesh, "tp")
+    ref = S.shard_model(world["ref"], mesh, "tp")
+    got, want = flat_leaves(model), flat_leaves(ref)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    ref_leaves = jax.tree.leaves(nnx.state(ref))
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), ref_leaves, strict=True):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+    down = model.layers[3].mlp.experts.down_proj.get_value()
+    assert down.planes.block_splits == 4  # the 4 input blocks split over "model": re-paired on restore
+    n = _chunks_within_shards(world["ckpt"], model)
+    a, b, plain = logits(model), logits(ref), logits(world["ref"])
+    print(f"\nsharded restore: {n} stored leaves read shard-aligned; vs sharded load_hybrid rel {rel(a, b):.1e}, "
+          f"vs unsharded rel {rel(a, plain):.1e}")  # fmt: skip
+    assert rel(a, b) <= 1e-6
+    assert rel(a, plain) <= 1e-5
+
+
+def test_interrupted_conversion_resumes_to_the_same_checkpoint(world, tmp_path):
+    out = str(tmp_path / "ckpt")
+    partial = out + orbax_io.PARTIAL_SUFFIX
+    with pytest.raises(orbax_io.ConversionInterrupted):
+        orbax_io.convert(world["hf"], out, gguf=[world["gguf"]], interrupt_after=3, **KW)
+    assert not os.path.exists(out)
+    done = sorted(u for u in os.listdir(os.path.join(partial, "units")) if not u.startswith("."))
+    assert len(done) == 3, done
+    inodes = {u: os.stat(os.path.join(partial, "units", u)).st_ino for u in done}
+    for bad in (partial, out):
+        with pytest.raises(CheckpointError, match="incomplete|not a checkpoint") as e:
+            orbax_io.restore_model(bad)
+        assert bad in str(e.value)
+    with pytest.raises(CheckpointError, match="different arguments \\(dtype\\)") as e:
+        orbax_io.convert(world["hf"], out, gguf=[world["gguf"]], **{**KW, "dtype": "bf16"})
+    assert partial in str(e.value)
+    # A crash in the middle of a unit leaves a staging directory: the rerun discards it.
+    os.makedirs(os.path.join(partial, "units", ".layers.4.staging", "arrays"))
+    orbax_io.convert(world["hf"], out, gguf=[world["gguf"]], **KW)
+    assert not os.path.exists(partial)
+    assert {u: os.stat(os.path.join(out, "units", u)).st_ino for u in done} == inodes  # not rewritten
+    a, b = orbax_io.read_metadata(out), orbax_io.read_metadata(world["ckpt"])
+    assert a["manifest"] == b["manifest"] and a["units"] == b["units"]
+    got, want = flat_leaves(orbax_io.restore_model(out)), flat_leaves(world["ref"])
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_bad_checkpoints_raise_naming_the_directory(world, tmp_path):
+    with pytest.raises(CheckpointError, match="already exists"):
+        orbax_io.convert(world["hf"], world["ckpt"], gguf=[world["gguf"]], **KW)
+
+    def broken(name, damage):
+        d = str(tmp_path / name)
+        shutil.copytree(world["ckpt"], d)
+        damage(d)
+        with pytest.raises(CheckpointError) as e:
+            orbax_io.restore_model(d)
+        assert d in str(e.value), str(e.value)
+        return str(e.value)
+
+    msg = broken("no_marker", lambda d: os.remove(os.path.join(d, orbax_io.COMPLETE)))
+    assert "incomplete" in msg
+    msg = broken("bad_json", lambda d: open(os.path.join(d, orbax_io.META), "w").write('{"format": "glm53-or'))
+    assert "corrupted" in msg
+
+    def drop_unit_data(d):
+        arrays = os.path.join(d, "units", "layers.2", "arrays")
+        for sub in os.listdir(arrays):
+            if sub.startswith("ocdbt") or sub == "d":
+                shutil.rmtree(os.path.join(arrays, sub))
+
+    msg = broken("no_data", drop_unit_data)
+    assert "layers.2" in msg and "corrupted" in msg
+    msg = broken("no_unit", lambda d: shutil.rmtree(os.path.join(d, "units", "layers.0")))
+    assert "layers.0" in msg
+
+    def wrong_shape(d):
+        p = os.path.join(d, orbax_io.META)
+        meta = json.load(open(p))
+        meta["config"]["vocab_size"] *= 2
+        json.dump(meta, open(p, "w"))
+
+    assert "embed" in broken("wrong_shape", wrong_shape)
+
+
+def test_convert_and_score_cli(world, tmp_path):
+    """experiments.convert (bf16, dense experts from the HF folder) then experiments.score --weights=CKPT equals
+    experiments.score --weights=HF_DIR at the same dtype."""
+    from absl import flags
+
+    from experiments import convert, score
+
+    ckpt = str(tmp_path / "ckpt_bf16")
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["convert", f"--hf={world['hf']}", f"--out={ckpt}", "--dtype=bf16", "--chunk_bytes=4096"])
+    convert.main(["convert"])
+    meta = orbax_io.read_metadata(ckpt)
+    assert meta["quant"] is None and meta["dtype"] == "bfloat16"
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(TOKENS.tolist()))
+    outs = {}
+    for name, weights in {"ckpt": ckpt, "hf": world["hf"]}.items():
+        out = str(tmp_path / f"{name}.npz")
+        flags.FLAGS.unparse_flags()
+        flags.FLAGS(["score", f"--weights={weights}", f"--tokens={tokens}", f"--out={out}", "--dtype=bfloat16"])
+        score.main(["score"])
+        outs[name] = np.load(out)
+    flags.FLAGS.unparse_flags()
+    for k in outs["hf"].files:
+        np.testing.assert_array_equal(outs["ckpt"][k], outs["hf"][k], err_msg=k)
