@@ -18,12 +18,18 @@ from glm53.checkpoint import orbax_io
 _HF = flags.DEFINE_string("hf", None, "HF safetensors folder (config.json + weights)", required=True)
 _GGUF = flags.DEFINE_multi_string("gguf", [], "GGUF file with the routed experts (repeat for split shards)")
 _OUT = flags.DEFINE_string("out", None, "output checkpoint directory (must not exist)", required=True)
-_DTYPE = flags.DEFINE_enum("dtype", "bf16", ["bf16", "bfloat16", "float32", "f32"], "floating parameter dtype")
+_DTYPE = flags.DEFINE_enum(
+    "dtype", "bf16", ["bf16", "bfloat16", "float32", "f32"], "floating parameter dtype"
+)
 _INT8 = flags.DEFINE_bool("int8", False, "store large non-expert matrices as per-channel int8")
-_INT8_MIN = flags.DEFINE_integer("int8_min_size", 1 << 20, "with --int8: matrices of at least this many weights")
+_INT8_MIN = flags.DEFINE_integer(
+    "int8_min_size", 1 << 20, "with --int8: matrices of at least this many weights"
+)
 _LAYOUT = flags.DEFINE_enum("quant_layout", "planes", ["planes", "reencoded"], "quantized expert layout")
 _MTP = flags.DEFINE_bool("mtp", True, "include the MTP block (layer num_hidden_layers)")
-_CHUNK = flags.DEFINE_integer("chunk_bytes", orbax_io.DEFAULT_CHUNK_BYTES, "Orbax chunk size (sharded-read unit)")
+_CHUNK = flags.DEFINE_integer(
+    "chunk_bytes", orbax_io.DEFAULT_CHUNK_BYTES, "Orbax chunk size (sharded-read unit)"
+)
 
 
 def main(argv):

@@ -158,7 +158,11 @@ class MeshConfig:
     def __post_init__(self):
         object.__setattr__(self, "axes", tuple(self.axes))
         object.__setattr__(self, "shape", tuple(self.shape))
-        if not self.axes or len(set(self.axes)) != len(self.axes) or not all(isinstance(a, str) for a in self.axes):
+        if (
+            not self.axes
+            or len(set(self.axes)) != len(self.axes)
+            or not all(isinstance(a, str) for a in self.axes)
+        ):
             raise ConfigError(f"config field 'mesh.axes': need distinct axis names, got {self.axes!r}")
         if len(self.shape) != len(self.axes):
             raise ConfigError(f"config field 'mesh.shape': {self.shape!r} has {len(self.shape)} entries for axes "
@@ -176,10 +180,14 @@ class MeshConfig:
         known = math.prod(s for s in self.shape if s != -1)
         if -1 in self.shape:
             if n_devices % known:
-                raise ConfigError(f"config field 'mesh.shape': {self.shape!r} does not divide {n_devices} devices")
+                raise ConfigError(
+                    f"config field 'mesh.shape': {self.shape!r} does not divide {n_devices} devices"
+                )
             return tuple(n_devices // known if s == -1 else s for s in self.shape)
         if known != n_devices:
-            raise ConfigError(f"config field 'mesh.shape': {self.shape!r} holds {known} devices, have {n_devices}")
+            raise ConfigError(
+                f"config field 'mesh.shape': {self.shape!r} holds {known} devices, have {n_devices}"
+            )
         return self.shape
 
     @property
@@ -200,7 +208,9 @@ def mesh_config_from_dict(d: Mapping[str, Any] | Any) -> MeshConfig:
     return MeshConfig(**d)
 
 
-def make_mesh(cfg: MeshConfig | Mapping[str, Any] | None = None, devices: Sequence[Any] | None = None) -> Mesh:
+def make_mesh(
+    cfg: MeshConfig | Mapping[str, Any] | None = None, devices: Sequence[Any] | None = None
+) -> Mesh:
     """The device mesh of `cfg` (a MeshConfig or the config's ``mesh`` section; None: the defaults) over
     `devices` (default: all of `jax.devices()`)."""
     if cfg is None:
@@ -285,7 +295,9 @@ def _quant():
     return QuantizedExperts, Int8Weight, P
 
 
-def value_leaf_axes(value, axes: tuple[str | None, ...], what: str) -> list[tuple[Any, tuple, tuple[int, ...]]]:
+def value_leaf_axes(
+    value, axes: tuple[str | None, ...], what: str
+) -> list[tuple[Any, tuple, tuple[int, ...]]]:
     """[(leaf, logical axes of the leaf, shape whose splits must divide)] of a parameter value.
 
     Arrays: their own axes. QuantizedExperts: every plane [E, words, rows] takes the kernel's axes; the word axis
@@ -298,7 +310,10 @@ def value_leaf_axes(value, axes: tuple[str | None, ...], what: str) -> list[tupl
         return [(leaf, axes, divide) for leaf in jax.tree.leaves(value)]
     if isinstance(value, Int8Weight):
         scale_axes = axes[:-2] + axes[-1:]
-        return [(value.values, axes, tuple(value.values.shape)), (value.scale, scale_axes, tuple(value.scale.shape))]
+        return [
+            (value.values, axes, tuple(value.values.shape)),
+            (value.scale, scale_axes, tuple(value.scale.shape)),
+        ]
     leaves = jax.tree.leaves(value)
     for leaf in leaves:
         if len(leaf.shape) != len(axes):
@@ -335,7 +350,9 @@ def check_rules(model_or_state, rules: str | Rules, mesh: Mesh | None = None) ->
         except ShardingError as e:
             problems.append(str(e))
     if problems:
-        raise ShardingError(f"rule set {rules.name!r}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+        raise ShardingError(
+            f"rule set {rules.name!r}: {len(problems)} problem(s):\n  " + "\n  ".join(problems)
+        )
     return specs
 
 
@@ -391,7 +408,9 @@ def local_planes(planes, n_rows: int = 1, n_blocks: int = 1):
     if n_blocks > 1 and s % n_blocks:
         raise ShardingError(f"{planes.fmt.name} planes: block_splits={s} does not split over {n_blocks} devices "
                             "(use prepare_planes)")  # fmt: skip
-    return P.Planes(planes.fields, planes.fmt, (rows // n_rows, cols // n_blocks), s // n_blocks if n_blocks > 1 else s)
+    return P.Planes(
+        planes.fields, planes.fmt, (rows // n_rows, cols // n_blocks), s // n_blocks if n_blocks > 1 else s
+    )
 
 
 # --------------------------------------------------------------------------------------------- placement
@@ -427,7 +446,9 @@ def _dispatch(model: nnx.Module, mesh: Mesh, rules: Rules, moe_dispatch: bool) -
     return wrap_moe_layers(model, mesh, rules)
 
 
-def shard_model(model: nnx.Module, mesh: Mesh, rules: str | Rules, *, moe_dispatch: bool = True) -> nnx.Module:
+def shard_model(
+    model: nnx.Module, mesh: Mesh, rules: str | Rules, *, moe_dispatch: bool = True
+) -> nnx.Module:
     """A copy of `model` with every parameter placed by its rule (quantized planes re-laid out first) and, with
     `moe_dispatch`, every MoE layer wrapped in `expert_dispatch.ShardedMoE`. `model` itself is left as it is."""
     rules = get_rules(rules)
@@ -488,7 +509,9 @@ def cache_shardings(cache, mesh: Mesh, rules: str | Rules):
                 conv_state=sh((BATCH, None, CONV_CHANNELS), c.conv_state, f"KDA cache {i} conv_state"),
                 state=sh((BATCH, dims.KDA_HEADS, None, None), c.state, f"KDA cache {i} state"),
             )
-        if isinstance(c, DSACache):  # latent [B, S, R], index_k / index_gate [B, S, C], pooled [B, S/kpool, C]
+        if isinstance(
+            c, DSACache
+        ):  # latent [B, S, R], index_k / index_gate [B, S, C], pooled [B, S/kpool, C]
             return DSACache(
                 latent=sh((BATCH, CACHE_SEQ, None), c.latent, f"DSA cache {i} latent"),
                 index_k=sh((BATCH, CACHE_SEQ, None), c.index_k, f"DSA cache {i} index_k"),

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from hf_reference import hf_logits, tiny_hf_model
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from configs import tiny
 from glm53 import dims, memory
@@ -29,7 +29,10 @@ from glm53.layers.moe import MoE
 from glm53.model import Glm53Model
 from glm53.quant import budget
 from glm53.quant import planes as P
+from glm53.quant.formats import get_format
+from glm53.quant.int8 import Int8Weight, quantize_int8
 from glm53.quant.qweight import QuantizedExperts
+from kernels.moe import api as moe_api
 
 CFG = model_config_from_dict(tiny.get_config("sharded").model)  # KDA 0-2, DSA 3, KDA 4; MoE at 3 and 4
 B, T = 2, 24  # 24 tokens: KDA chunked prefill, DSA sparse (6 pools, 2 selected)
@@ -72,7 +75,9 @@ def ref(tmp_path_factory):
     ids = rng.integers(0, CFG.vocab_size, size=(B, T + 1)).astype(np.int32)
     gd, state = nnx.split(model)
     lp, ld, _ = jax.jit(_run(gd))(state, model.init_cache(B, T + 1), ids[:, :T], ids[:, T:])
-    return dict(hf=hf, folder=folder, cfg=cfg, model=model, ids=ids, prefill=np.asarray(lp), decode=np.asarray(ld))
+    return dict(
+        hf=hf, folder=folder, cfg=cfg, model=model, ids=ids, prefill=np.asarray(lp), decode=np.asarray(ld)
+    )
 
 
 def _pallas_experts(model, decode_max_slots: int = 8):
@@ -90,13 +95,25 @@ def _pallas_experts(model, decode_max_slots: int = 8):
     return model
 
 
+@pytest.fixture
+def no_fallback(monkeypatch):
+    """Fails the test when kernels.moe falls back from the Pallas kernels to the reference path."""
+
+    def fail(name, reason):
+        raise AssertionError(f"moe_experts fell back from {name} to reference: {reason}")
+
+    monkeypatch.setattr(moe_api, "_warn_fallback", fail)
+
+
 # ------------------------------------------------------------------------------------------ mesh / rules
 def test_mesh_from_config():
     m = S.make_mesh(tiny.get_config("sharded").mesh)
     assert dict(m.shape) == {"data": 1, "model": 8}
     m = mesh_of((2, -1))
     assert dict(m.shape) == {"data": 2, "model": 4}
-    mesh, rules = S.mesh_from_experiment_config(ml_collections.ConfigDict(dict(mesh=dict(shape=(4, 2), rules="ep"))))
+    mesh, rules = S.mesh_from_experiment_config(
+        ml_collections.ConfigDict(dict(mesh=dict(shape=(4, 2), rules="ep")))
+    )
     assert dict(mesh.shape) == {"data": 4, "model": 2} and rules is S.EP_RULES
     for bad, match in [
         (dict(shape=(3, -1)), "does not divide 8"),
@@ -126,7 +143,11 @@ def test_rules_cover_every_logical_axis_and_reject_collisions():
     with pytest.raises(S.ShardingError) as e:
         S.check_rules(model, both)
     msg = str(e.value)
-    for path in ("layers.3.mlp.experts.gate_proj", "layers.4.mlp.experts.down_proj", "mtp.mlp.experts.up_proj"):
+    for path in (
+        "layers.3.mlp.experts.gate_proj",
+        "layers.4.mlp.experts.down_proj",
+        "mtp.mlp.experts.up_proj",
+    ):
         assert f"parameter {path}: logical axes" in msg
     assert "'expert' and 'expert_mlp' both map to mesh axis 'model'" in msg
     assert "layers.3.mlp.router.kernel" not in msg  # no collision there, only on the expert kernels
@@ -156,7 +177,10 @@ def test_every_param_sharding_equals_its_rule(random_model, rules):
     plain = nnx.state(random_model)
     n = 0
     for (path, var), (_, pv), (_, av) in zip(
-        nnx.to_flat_state(nnx.state(model)), nnx.to_flat_state(plain), nnx.to_flat_state(abstract), strict=True
+        nnx.to_flat_state(nnx.state(model)),
+        nnx.to_flat_state(plain),
+        nnx.to_flat_state(abstract),
+        strict=True,
     ):
         axes = var.get_metadata()["logical_axes"]
         value = var.get_value()
@@ -174,7 +198,10 @@ def test_every_param_sharding_equals_its_rule(random_model, rules):
     assert type(random_model.layers[3].mlp) is MoE  # the input model is left as it was
     e_split = (8 // 4, 64, 32) if rules == "ep" else (8, 64, 32 // 4)  # gate [E, D, F]: experts or width / 4
     assert model.layers[3].mlp.experts.gate_proj.get_value().addressable_shards[0].data.shape == e_split
-    assert model.layers[0].self_attn.q_proj.kernel.get_value().addressable_shards[0].data.shape == (64, 64 // 4)
+    assert model.layers[0].self_attn.q_proj.kernel.get_value().addressable_shards[0].data.shape == (
+        64,
+        64 // 4,
+    )
 
 
 def test_init_sharded_model_equals_jitted_init():
@@ -212,11 +239,13 @@ VARIANTS = [  # (rules, mesh shape, expert path)
 
 
 @pytest.mark.parametrize("rules,shape,path", VARIANTS, ids=["-".join(map(str, v)) for v in VARIANTS])
-def test_sharded_prefill_and_decode_equal_unsharded(ref, rules, shape, path):
+def test_sharded_prefill_and_decode_equal_unsharded(ref, rules, shape, path, no_fallback):
     mesh = mesh_of(shape, rules)
     cfg = ref["cfg"]
     if path == "reference":  # the loader fills abstract sharded parameters directly
-        abstract = S.abstract_sharded_model(lambda: Glm53Model(cfg, rngs=nnx.Rngs(0), with_mtp=False), mesh, rules)
+        abstract = S.abstract_sharded_model(
+            lambda: Glm53Model(cfg, rngs=nnx.Rngs(0), with_mtp=False), mesh, rules
+        )
         model, _ = hf_ckpt.load_hf_weights(ref["folder"], abstract, cfg)
     else:
         _, plain = hf_ckpt.load_hf_model(ref["folder"], dtype=np.float32, with_mtp=False)
@@ -237,9 +266,11 @@ def test_sharded_prefill_and_decode_equal_unsharded(ref, rules, shape, path):
 
 # --------------------------------------------------------------------------------------------- all-reduce
 @pytest.mark.parametrize("rules,path", [("tp", "reference"), ("tp", "pallas"), ("ep", "reference")])
-def test_one_all_reduce_per_moe_layer(rules, path):
+def test_one_all_reduce_per_moe_layer(rules, path, no_fallback):
     """The routed experts' and the shared expert's partial sums share ONE all-reduce of [T, D]."""
-    quant = None if path == "reference" else QuantConfig(experts="F32", moe_impl="pallas_tpu", decode_max_slots=8)
+    quant = (
+        None if path == "reference" else QuantConfig(experts="F32", moe_impl="pallas_tpu", decode_max_slots=8)
+    )
     impl = "reference" if quant is None else "pallas_tpu"
     moe = MoE(CFG, rngs=nnx.Rngs(1), quant=quant, implementation=impl, layer_idx=3)
     mesh = mesh_of((1, 8), rules)
@@ -266,10 +297,11 @@ MIXES = {"ud": ("IQ2_S", "IQ3_S"), "iq4_down": ("IQ2_S", "IQ4_XS")}
 @pytest.mark.parametrize("rules", ["tp", "ep"])
 @pytest.mark.parametrize("mix", sorted(MIXES))
 def test_plane_bytes_per_device_equal_budget(mix, rules):
-    """gate/up [E, 2048 out, 256 in] and down [E, 256 out, 2048 in]: 8 input blocks per down row, ONE per device
-    under TP (its 2-byte fields padded to a word), as in the release's 4096 x 2048 experts over 8 chips."""
+    """gate/up [E, 2048 out, 512 in] and down [E, 512 out, 2048 in]. Under TP, gate/up keep both input blocks of
+    a row (paired 2-byte fields whole) and down has ONE of its 8 blocks per row on each device (every 2-byte field
+    padded to a word), as the release's 2048 x 4096 / 4096 x 2048 experts over 8 chips."""
     gate_up, down = MIXES[mix]
-    e, d, f = 8, 256, 2048
+    e, d, f = 8, 512, 2048
     cfg = CFG.replace(hidden_size=d, moe_intermediate_size=f, n_routed_experts=e)
     quant = QuantConfig(experts=f"gate={gate_up},up={gate_up},down={down}")
     moe = MoE(cfg, rngs=nnx.Rngs(2), quant=quant, layer_idx=3)
@@ -302,13 +334,13 @@ def test_plane_bytes_per_device_equal_budget(mix, rules):
     if rules == "tp":
         layer_mix = {(3, m): fmt for m, fmt in fmts.items()}
         assert total == memory.expert_bytes(cfg, layer_mix, 8).per_device
-        if mix == "ud":  # down's d pads 2 bytes per row per expert per device
-            assert total - sum(budget.gguf_nbytes(budget.expert_shape(m, e, d, f), x) for m, x in fmts.items()) // 8 \
-                == e * d * 2
+        # Each 2-byte field of down (IQ3_S: d; IQ4_XS: d, scales_h) pads 2 bytes per row per expert per device.
+        gguf = sum(budget.gguf_nbytes(budget.expert_shape(m, e, d, f), x) for m, x in fmts.items()) // 8
+        assert total - gguf == e * d * 2 * sum(fd.nbytes == 2 for fd in get_format(down).fields)
 
 
 @pytest.mark.parametrize("rules", ["tp", "ep"])
-def test_block_quantized_experts_sharded_equal_unsharded(rules):
+def test_block_quantized_experts_sharded_equal_unsharded(rules, no_fallback):
     """Q4_K gate/up and IQ4_XS down (two 2-byte fields, one block per device per row) through the Pallas kernels
     on the block-split planes of each device, against the unsharded reference path."""
     e, d, f = 8, 256, 2048
@@ -325,3 +357,34 @@ def test_block_quantized_experts_sharded_equal_unsharded(rules):
         r = rel(f_(state, x), oracle(x))
         print(f"{rules} T={t}: rel {r:.1e}")
         assert r <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------ activations
+def test_constrain_by_logical_names():
+    mesh = mesh_of((2, 4))
+    f = jax.jit(lambda x: S.constrain(x * 2.0, (S.BATCH, None, dims.VOCAB), mesh, "tp"))
+    y = f(jnp.ones((2, 3, 128)))
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec("data", None, "model")), 3)
+    y = f(jnp.ones((1, 3, 128)))  # one stream does not split over "data": left unconstrained there
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec(None, None, "model")), 3)
+
+
+def test_int8_shared_expert_sharded():
+    """Int8Weight kernels (the HF loader's int8 option): values by the kernel's rule, scales by its output axis."""
+    moe = MoE(CFG, rngs=nnx.Rngs(7), layer_idx=3)
+    for m in ("gate_proj", "up_proj", "down_proj"):
+        lin = getattr(moe.shared_experts, m)
+        lin.kernel.set_value(quantize_int8(np.asarray(lin.kernel.get_value())))
+    mesh = mesh_of((1, 8))
+    sharded = S.shard_model(moe, mesh, "tp")
+    gate = sharded.shared_experts.gate_proj.kernel.get_value()
+    down = sharded.shared_experts.down_proj.kernel.get_value()
+    assert isinstance(gate, Int8Weight) and isinstance(down, Int8Weight)
+    assert gate.values.sharding.spec == PartitionSpec(
+        None, "model"
+    ) and gate.scale.sharding.spec == PartitionSpec("model")
+    assert down.values.sharding.spec == PartitionSpec(
+        "model", None
+    ) and down.scale.sharding.spec == PartitionSpec(None)
+    x = jax.random.normal(jax.random.key(3), (4, CFG.hidden_size), jnp.float32)
+    assert rel(jax.jit(lambda x: sharded(x))(x), moe(x)) <= 1e-5

@@ -5,6 +5,7 @@ Layout of a checkpoint directory OUT:
 
     OUT/glm53_checkpoint.json     sidecar: model + quant config, dtype choices, units, manifest of every tensor
     OUT/COMPLETE                  written last (before the final rename): marks the checkpoint complete
+    OUT/plan.json                 the conversion's arguments (what a resumed run must repeat)
     OUT/units/<unit>/arrays/      an Orbax PyTree checkpoint of the unit's parameters (nested dict by path)
     OUT/units/<unit>/manifest.json  the unit's tensors: path, kind, leaf shapes / dtypes, expert format / layout
 
@@ -195,7 +196,9 @@ class _Writer:
             nodes[path] = node
         tree = _nest(nodes)
         save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=self.chunk_bytes), tree)
-        ocp.PyTreeCheckpointer().save(os.path.join(staging, "arrays"), args=ocp.args.PyTreeSave(tree, save_args=save_args))
+        ocp.PyTreeCheckpointer().save(
+            os.path.join(staging, "arrays"), args=ocp.args.PyTreeSave(tree, save_args=save_args)
+        )
         _write_json(os.path.join(staging, "manifest.json"), {"unit": unit, "tensors": entries})
         os.rename(staging, self.unit_dir(unit))
         self.written += 1
@@ -267,7 +270,9 @@ def _expert_host_value(et, abstract):
     if not isinstance(abstract, QuantizedExperts):
         return et.dequantize(np.dtype(abstract.dtype))
     if et.format.name != abstract.format_name:
-        raise CheckpointError(f"{et.name}: {et.format.name}, but the model keeps this tensor as {abstract.format_name}")
+        raise CheckpointError(
+            f"{et.name}: {et.format.name}, but the model keeps this tensor as {abstract.format_name}"
+        )
     q = et.quantized(abstract.layout)
     try:
         q.check_like(abstract, et.name)
@@ -352,8 +357,12 @@ def convert(
             "int8": bool(int8), "int8_min_size": int(int8_min_size) if int8 else None, "layout": layout,
             "with_mtp": bool(with_mtp), "config": model_config_to_dict(cfg), "quant": _quant_dict(quant),
         }  # fmt: skip
+        fingerprint = json.loads(json.dumps(fingerprint))  # as plan.json reads back (lists, not tuples)
         work = out + PARTIAL_SUFFIX
         _prepare_work(work, fingerprint)
+        if os.path.exists(os.path.join(work, COMPLETE)):  # finished, but stopped before the final rename
+            os.rename(work, out)
+            return out
         bar = _progress(len(plan), out) if progress else None
         writer = _Writer(work, plan, chunk_bytes, interrupt_after, bar)
         todo = [u for u in plan if not writer.done(u)]
@@ -435,7 +444,6 @@ def _finalize(work: str, out: str, plan, fingerprint, cfg, quant) -> None:
     }  # fmt: skip
     _write_json(os.path.join(work, META), meta)
     _write_json(os.path.join(work, COMPLETE), {"units": len(plan), "tensors": len(manifest)})
-    os.remove(os.path.join(work, PLAN))
     os.rename(work, out)
     _log.info("wrote %s: %d units, %d tensors", out, len(plan), len(manifest))
 
@@ -487,7 +495,9 @@ def _leaf_plan(entry: dict, var: nnx.Variable, mesh, rules, default, where: str)
     kind = entry.get("kind")
     if kind == "array":
         if isinstance(target, (QuantizedExperts, Int8Weight)) or list(target.shape) != leaves[""]["shape"]:
-            raise CheckpointError(f"{where}: stored {kind} {leaves['']['shape']}, the model expects {target!r}")
+            raise CheckpointError(
+                f"{where}: stored {kind} {leaves['']['shape']}, the model expects {target!r}"
+            )
         return {"": (target.shape, target.dtype, _sds_sharding(target, default))}, lambda r: r[""]
     if kind == "int8":
         shape = tuple(leaves["values"]["shape"])
@@ -513,7 +523,9 @@ def _quantized_plan(entry, var, target, mesh, rules, default, where):
 
     QuantizedExperts = _quantized_experts_cls()
     if not isinstance(target, QuantizedExperts):
-        raise CheckpointError(f"{where}: stored quantized experts ({entry['format']}), the model expects {target!r}")
+        raise CheckpointError(
+            f"{where}: stored quantized experts ({entry['format']}), the model expects {target!r}"
+        )
     if (entry["format"], entry["layout"]) != (target.format_name, target.layout):
         raise CheckpointError(f"{where}: stored {entry['format']} ({entry['layout']}), the model expects "
                               f"{target.format_name} ({target.layout})")  # fmt: skip
@@ -536,7 +548,9 @@ def _quantized_plan(entry, var, target, mesh, rules, default, where):
         if relayout and fmt.field(name).nbytes == 2:  # re-paired per block group: read the word axis whole
             sh = _replicate_axis(sh, len(stored) - 2)
         elif stored != tuple(t.shape):
-            raise CheckpointError(f"{where}: plane {name!r} stored {list(stored)}, the model expects {list(t.shape)}")
+            raise CheckpointError(
+                f"{where}: plane {name!r} stored {list(stored)}, the model expects {list(t.shape)}"
+            )
         plan[key] = (stored, np.uint32, sh)
 
     def build(r):
@@ -587,7 +601,11 @@ def restore_model(
     def build():
         return Glm53Model(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels, with_mtp=with_mtp, quant=quant)
 
-    abstract = nnx.eval_shape(build) if mesh is None else S.abstract_sharded_model(build, mesh, rules, moe_dispatch=moe_dispatch)
+    abstract = (
+        nnx.eval_shape(build)
+        if mesh is None
+        else S.abstract_sharded_model(build, mesh, rules, moe_dispatch=moe_dispatch)
+    )
     graphdef, state = nnx.split(abstract)
     flat = {path_str(p): v for p, v in nnx.to_flat_state(state)}
     missing, extra = sorted(set(flat) - set(manifest)), sorted(set(manifest) - set(flat))
@@ -604,13 +622,17 @@ def restore_model(
         plans, builders, item, args = {}, {}, {}, {}
         for name in names:
             path = tuple(int(k) if k.isdigit() else k for k in name.split("."))
-            plans[name], builders[name] = _leaf_plan(manifest[name], flat[name], mesh, rules, default, f"{d}: {name}")
+            plans[name], builders[name] = _leaf_plan(
+                manifest[name], flat[name], mesh, rules, default, f"{d}: {name}"
+            )
             for leaf, (shape, dt, sh) in plans[name].items():
                 key = path + tuple(leaf.split("/")) if leaf else path
                 item[key] = jax.ShapeDtypeStruct(tuple(shape), dt, sharding=sh)
                 args[key] = ocp.ArrayRestoreArgs(sharding=sh, global_shape=tuple(shape), dtype=dt)
         try:
-            restored = ckptr.restore(udir, args=ocp.args.PyTreeRestore(item=_nest(item), restore_args=_nest(args)))
+            restored = ckptr.restore(
+                udir, args=ocp.args.PyTreeRestore(item=_nest(item), restore_args=_nest(args))
+            )
         except Exception as e:  # noqa: BLE001 -- Orbax / tensorstore raise many types
             raise CheckpointError(f"{d}: corrupted glm53 checkpoint: cannot read unit {unit} ({udir}): "
                                   f"{type(e).__name__}: {e}") from None  # fmt: skip
@@ -620,7 +642,9 @@ def restore_model(
             r = {leaf: (_get(node, tuple(leaf.split("/"))) if leaf else node) for leaf in plans[name]}
             for leaf, (shape, _, _) in plans[name].items():
                 if tuple(r[leaf].shape) != tuple(shape):
-                    raise CheckpointError(f"{d}: {name}/{leaf}: restored shape {r[leaf].shape}, expected {shape}")
+                    raise CheckpointError(
+                        f"{d}: {name}/{leaf}: restored shape {r[leaf].shape}, expected {shape}"
+                    )
             flat[name].set_value(builders[name](r))
     return nnx.merge(graphdef, state)
 

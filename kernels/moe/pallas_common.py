@@ -92,13 +92,8 @@ def check_supported(
     """NotImplementedError when the kernels cannot decode (format, layout, shape); `what` names the matrix."""
     rows, cols = shape
     if fmt.name not in SUPPORTED:
-        hint = (
-            " (use the gather-free re-encoding, glm53.quant.reencode)"
-            if fmt.name in ("IQ2_S", "IQ3_S")
-            else ""
-        )
         raise NotImplementedError(
-            f"{what}: no Pallas decoder for {fmt.name}{hint}; supported: {', '.join(SUPPORTED)}"
+            f"{what}: no Pallas decoder for {fmt.name}; supported: {', '.join(SUPPORTED)}"
         )
     if fmt.name in ("F16", "BF16"):
         if cols % (16 * block_splits):
