@@ -5,8 +5,8 @@ Variants:
   parity   hidden 64, 8 layers (DSA at 3, 7), 16 experts top-4, 32 indexer heads, swiglu_limit 2 (clamp fires)
   gguf     hidden 256, 8 layers, 16 experts of width 256 (i-quant blocks fit the expert rows), top-4
   small    hidden 1024, 8 layers (DSA at 3, 7), 32 experts -- the "small" benchmark model
-  sharded  hidden 64, 5 layers (DSA at 3, MoE at 3, 4), 8 KDA / MLA / indexer heads: every split axis divides
-           8 devices (tests/test_sharding.py)
+  sharded  hidden 64, 5 layers (DSA at 3, MoE at 3, 4), 8 KDA / MLA / indexer heads, expert width 64: every
+           split axis divides 8 devices, 8 expert inputs per device (tests/test_sharding.py)
 
   python -m experiments.generate --config=configs/tiny.py:default --prompt="hello" --max_new=16
 
@@ -78,6 +78,7 @@ VARIANTS = {
     ),
     "sharded": dict(
         num_hidden_layers=5,
+        moe_intermediate_size=64,
         linear_num_heads=8,
         linear_head_dim=8,
         num_attention_heads=8,

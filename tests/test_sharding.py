@@ -196,7 +196,7 @@ def test_every_param_sharding_equals_its_rule(random_model, rules):
     moes = [type(layer.mlp) for layer in model.layers] + [type(model.mtp.mlp)]
     assert moes.count(ShardedMoE) == 3 and MoE not in moes  # layers 3, 4 and the MTP block
     assert type(random_model.layers[3].mlp) is MoE  # the input model is left as it was
-    e_split = (8 // 4, 64, 32) if rules == "ep" else (8, 64, 32 // 4)  # gate [E, D, F]: experts or width / 4
+    e_split = (8 // 4, 64, 64) if rules == "ep" else (8, 64, 64 // 4)  # gate [E, D, F]: experts or width / 4
     assert model.layers[3].mlp.experts.gate_proj.get_value().addressable_shards[0].data.shape == e_split
     assert model.layers[0].self_attn.q_proj.kernel.get_value().addressable_shards[0].data.shape == (
         64,
