@@ -174,8 +174,9 @@ def bench_config(name: str, prefill_len: int, decode_len: int, repeats: int, see
             times[k].append(v)
     mis = first_mismatch(toks_o, toks_t)
     if mis is not None:
-        log(f"WARNING [{name}]: greedy tokens differ from transformers at index {mis}: "
-            f"glm53 {toks_o[mis:mis + 4]} vs transformers {toks_t[mis:mis + 4]}")  # fmt: skip
+        log(f"WARNING [{name}]: greedy tokens differ from transformers at index {mis}: glm53 {toks_o[mis:mis + 4]} "
+            f"vs transformers {toks_t[mis:mis + 4]} (a near-tie of the top logits, or an exact tie of indexer pool "
+            "scores, which torch.topk breaks differently: glm53/layers/indexer.py)")  # fmt: skip
     logits_rel = float(np.abs(lo - lt).max() / np.abs(lt).max())
     rec = {
         "variant": ALIASES.get(name, name),

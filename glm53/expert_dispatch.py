@@ -30,6 +30,7 @@ from jax.sharding import Mesh, PartitionSpec
 from glm53 import dims
 from glm53 import sharding as S
 from glm53.layers.moe import MoE
+from glm53.quant.qweight import QuantizedExperts
 
 
 class ShardedMoE(nnx.Module):
@@ -70,7 +71,6 @@ class ShardedMoE(nnx.Module):
 
     def _localize(self, state: nnx.State) -> nnx.State:
         """Quantized planes inside shard_map: local arrays, so give them their local shape metadata."""
-        QuantizedExperts = S._quant()[0]
 
         def one(path, var):
             value = var.get_value()

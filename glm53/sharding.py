@@ -12,7 +12,8 @@ Rule sets (`RULE_SETS`, chosen by ``config.mesh.rules``):
         head*dim axes: the head count must divide the axis, `check_config`), MLA heads, indexer heads; embedding
         and lm_head by vocabulary; the KDA recurrent state by head. Everything else is replicated.
   "ep"  `EP_RULES`, expert parallelism for comparison: whole routed experts per device (expert axis on
-        "model"); the expert width is not split (the shared expert is replicated); the rest as in "tp".
+        "model"); the expert width is not split (the shared expert is replicated); the rest as in "tp". The
+        router's expert axis follows, so its logits are gathered before the top-k.
 
 Both put the stream (batch) axis of activations and caches on "data" (size 1 by default).
 
@@ -22,11 +23,11 @@ under shard_map and sums them with ONE all-reduce per layer. Everything else is 
 parameter shardings.
 
 Caches (`cache_shardings`): KDA recurrent state [B, H, dk, dv] by head; the KDA conv state (q | k | v
-concatenated on one axis, which a head split cannot follow) and the MLA latent / indexer caches are
-replicated over "model", batch on "data". Sequence-sharding the latent and indexer caches (the prior art: pool
-p on device p mod n, two-stage top-k) needs a shard_map'd indexer and sparse-MLA kernel: under plain GSPMD a
-sequence-sharded cache is gathered at every dynamic write. `glm53.memory` budgets them sequence-sharded
-(`CACHE_NOTE`).
+concatenated on one axis, which no block split can cut by head: GSPMD reshards it inside every KDA layer) and
+the MLA latent / indexer caches are replicated over "model", batch on "data". The prior art sequence-shards the
+latent and indexer caches (pool p on device p mod n, two-stage top-k); here that is the override
+``TP_RULES.replace(cache_seq="model", cache_pools="model")``, correct but gathered whole at every step until the
+indexer and sparse-MLA kernels run under shard_map. `glm53.memory` budgets them sequence-sharded.
 
 Quantized routed experts (`glm53.quant.qweight.QuantizedExperts`): a plane is [expert, words (input blocks),
 rows (outputs)], the axis order of the dense kernel [E, in, out], so the kernel's logical axes shard the planes.
@@ -52,6 +53,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from glm53 import dims
 from glm53.config import ConfigError, ModelConfig
+from glm53.quant import planes as P
+from glm53.quant.int8 import Int8Weight
+from glm53.quant.qweight import QuantizedExperts
 
 # Logical names of activation / cache axes (parameters use the names of glm53.dims).
 BATCH = "batch"  # streams
@@ -61,11 +65,6 @@ CACHE_POOLS = "cache_pools"  # pooled-key rows of the indexer cache
 CONV_CHANNELS = "conv_channels"  # q | k | v channels of the KDA conv state (3 * heads * head_dim)
 
 MeshAxes = str | tuple[str, ...] | None
-
-CACHE_NOTE = (
-    "MLA latent and indexer caches are replicated over 'model' (batch on 'data'); glm53.memory budgets them "
-    "sequence-sharded by pool, which needs a shard_map'd indexer / sparse-MLA kernel (two-stage top-k)"
-)
 
 
 class ShardingError(ValueError):
@@ -287,14 +286,6 @@ def param_axes(var: nnx.Variable, what: str) -> tuple[str | None, ...]:
     return tuple(axes)
 
 
-def _quant():
-    from glm53.quant import planes as P
-    from glm53.quant.int8 import Int8Weight
-    from glm53.quant.qweight import QuantizedExperts
-
-    return QuantizedExperts, Int8Weight, P
-
-
 def value_leaf_axes(
     value, axes: tuple[str | None, ...], what: str
 ) -> list[tuple[Any, tuple, tuple[int, ...]]]:
@@ -303,7 +294,6 @@ def value_leaf_axes(
     Arrays: their own axes. QuantizedExperts: every plane [E, words, rows] takes the kernel's axes; the word axis
     must split whole input blocks. Int8Weight: values take the kernel's axes, the scale drops the input axis.
     """
-    QuantizedExperts, Int8Weight, _ = _quant()
     if isinstance(value, QuantizedExperts):
         p = value.planes
         divide = (value.n_experts, p.n_blocks, p.rows)
@@ -384,7 +374,6 @@ def check_config(cfg: ModelConfig, mesh: Mesh, rules: str | Rules) -> None:
 def prepare_planes(value, axes, mesh: Mesh, rules: str | Rules, what: str = "expert tensor"):
     """A QuantizedExperts whose word axis (input blocks) is split n ways -> the same weights with
     `block_splits = n` (`planes.block_split_layout`); any other value unchanged. Traceable."""
-    QuantizedExperts, _, P = _quant()
     if not isinstance(value, QuantizedExperts):
         return value
     n = axis_size(mesh, get_rules(rules).mesh_axes(axes[1], what), what)
@@ -402,7 +391,6 @@ def prepare_planes(value, axes, mesh: Mesh, rules: str | Rules, what: str = "exp
 def local_planes(planes, n_rows: int = 1, n_blocks: int = 1):
     """Planes metadata of one device's shard (inside shard_map, where the plane arrays are already local):
     rows / n_rows outputs and input blocks / n_blocks (block_splits / n_blocks groups)."""
-    _, _, P = _quant()
     rows, cols = planes.shape
     s = planes.block_splits
     if n_blocks > 1 and s % n_blocks:

@@ -8,6 +8,7 @@ the real checkpoint loader into abstract, sharded parameters."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import jax
@@ -15,9 +16,11 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from absl import flags
 from flax import nnx
 from hf_reference import hf_logits, tiny_hf_model
 from jax.sharding import NamedSharding, PartitionSpec
+from ml_collections import config_flags
 
 from configs import tiny
 from glm53 import dims, memory
@@ -34,6 +37,7 @@ from glm53.quant.int8 import Int8Weight, quantize_int8
 from glm53.quant.qweight import QuantizedExperts
 from kernels.moe import api as moe_api
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = model_config_from_dict(tiny.get_config("sharded").model)  # KDA 0-2, DSA 3, KDA 4; MoE at 3 and 4
 B, T = 2, 24  # 24 tokens: KDA chunked prefill, DSA sparse (6 pools, 2 selected)
 
@@ -111,9 +115,16 @@ def test_mesh_from_config():
     assert dict(m.shape) == {"data": 1, "model": 8}
     m = mesh_of((2, -1))
     assert dict(m.shape) == {"data": 2, "model": 4}
-    mesh, rules = S.mesh_from_experiment_config(
-        ml_collections.ConfigDict(dict(mesh=dict(shape=(4, 2), rules="ep")))
-    )
+    argv = [
+        "prog",
+        f"--config={ROOT}/configs/tiny.py:sharded",
+        "--config.mesh.shape=(4, 2)",
+        "--config.mesh.rules=ep",
+    ]
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, flag_values=fv, lock_config=True, sys_argv=argv)
+    fv(argv)
+    mesh, rules = S.mesh_from_experiment_config(fv.config)
     assert dict(mesh.shape) == {"data": 4, "model": 2} and rules is S.EP_RULES
     for bad, match in [
         (dict(shape=(3, -1)), "does not divide 8"),
@@ -318,6 +329,9 @@ def test_plane_bytes_per_device_equal_budget(mix, rules):
             want = budget.plane_nbytes(shape, fmt, split)
         else:
             split, want = None, budget.plane_nbytes((e // 8, *shape[1:]), fmt)
+        var = getattr(sharded.experts, f"{m}_proj")
+        want_sh = S.logical_to_sharding(var.get_metadata()["logical_axes"], mesh, rules)
+        assert all(leaf.sharding.is_equivalent_to(want_sh, 3) for leaf in jax.tree.leaves(q))
         got = S.device_nbytes(q)
         print(f"{mix} {rules} {m} {fmt}: {got[0]} B per device (budget {want}), GGUF {q.gguf_nbytes // 8}")
         assert got == [want] * 8
