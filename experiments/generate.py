@@ -8,7 +8,6 @@
 Prints the new token ids (and text when a tokenizer is present) and decode tokens/s.
 """
 
-import os
 
 from absl import app, flags, logging
 from ml_collections import config_flags

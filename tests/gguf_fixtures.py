@@ -56,17 +56,49 @@ def make_hf_folder(folder: str, cfg: ModelConfig, seed: int):
 
 # ------------------------------------------------------------------------------------------------ llama.cpp
 def llama_logits(path: str, tokens: list[int]) -> np.ndarray:
-    """llama.cpp's logits [T, V] for every position of one sequence (llama-cpp-python, CPU)."""
-    from llama_cpp import Llama
+    """llama.cpp's logits [T, V] for every position of one sequence (llama-cpp-python, CPU).
+
+    The KV cache is F32: llama.cpp's default F16 cache (type_k / type_v) also holds this arch's MLA latents and
+    indexer keys, and rounding them to f16 moves F32-GGUF logits by ~2e-4 and can flip near-tied pool choices."""
+    from llama_cpp import GGML_TYPE_F32, Llama
 
     t = len(tokens)
     llm = Llama(model_path=path, n_ctx=max(64, t), n_batch=t, n_ubatch=t, logits_all=True, use_extra_bufts=False,
-                verbose=False, n_threads=2, seed=0)  # fmt: skip
+                verbose=False, n_threads=2, seed=0, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)  # fmt: skip
     try:
         llm.eval(list(tokens))
         return np.array(llm.scores[:t], np.float32)
     finally:
         llm.close()
+
+
+def indexer_margins(model, tokens: list[int]) -> np.ndarray:
+    """Selection margins of glm53's own KPool indexers on one sequence (an eager forward): for every DSA layer
+    with an indexer and every query that has more candidate pools than it selects, the score gap between the
+    last selected and the first dropped pool. float64 [N] (N = such (layer, query) pairs)."""
+    import jax.numpy as jnp
+
+    from glm53.layers import indexer
+
+    select, seen = indexer.select_pools, []
+
+    def spy(scores_btp, q_pos_bt, *, kpool, num_select):
+        seen.append((np.asarray(scores_btp), np.asarray(q_pos_bt), kpool, num_select))
+        return select(scores_btp, q_pos_bt, kpool=kpool, num_select=num_select)
+
+    indexer.select_pools = spy
+    try:
+        model(jnp.asarray([tokens], jnp.int32))
+    finally:
+        indexer.select_pools = select
+    gaps = []
+    for scores_btp, q_pos_bt, kpool, k in seen:
+        for s_p, q in zip(scores_btp[0], q_pos_bt[0]):
+            n = (int(q) + 1) // kpool  # complete pools = candidates
+            if n > k:
+                top = np.sort(s_p[:n].astype(np.float64))[::-1]
+                gaps.append(top[k - 1] - top[k])
+    return np.asarray(gaps)
 
 
 def compare(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
