@@ -209,7 +209,9 @@ def main(argv):
 
     unknown = [c for c in _CONFIGS.value if ALIASES.get(c, c) not in tiny.VARIANTS]
     if unknown:
-        raise app.UsageError(f"--configs: unknown {unknown}; choose from tiny, {', '.join(sorted(tiny.VARIANTS))}")
+        raise app.UsageError(
+            f"--configs: unknown {unknown}; choose from tiny, {', '.join(sorted(tiny.VARIANTS))}"
+        )
     for flag in (_PREFILL, _DECODE, _REPEATS):
         if flag.value < 1:
             raise app.UsageError(f"--{flag.name} must be >= 1, got {flag.value}")
@@ -222,10 +224,14 @@ def main(argv):
         "configs": {},
     }  # fmt: skip
     m = result["machine"]
-    print(f"backend {m['backend']}, {m['cpu_count']} CPUs (torch threads {m['torch_threads']}), jax "
-          f"{m['versions']['jax']}, torch {m['versions']['torch']}, transformers {m['versions']['transformers']}")
+    print(
+        f"backend {m['backend']}, {m['cpu_count']} CPUs (torch threads {m['torch_threads']}), jax "
+        f"{m['versions']['jax']}, torch {m['versions']['torch']}, transformers {m['versions']['transformers']}"
+    )
     for name in _CONFIGS.value:
-        result["configs"][name] = bench_config(name, _PREFILL.value, _DECODE.value, _REPEATS.value, _SEED.value)
+        result["configs"][name] = bench_config(
+            name, _PREFILL.value, _DECODE.value, _REPEATS.value, _SEED.value
+        )
     if _OUT.value:
         with open(_OUT.value, "w") as f:
             json.dump(result, f, indent=1)

@@ -24,7 +24,9 @@ def _run(*args):
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench.json"
-    r = _run("--configs=tiny", f"--prefill_len={PREFILL}", f"--decode_len={DECODE}", "--repeats=2", f"--out={out}")
+    r = _run(
+        "--configs=tiny", f"--prefill_len={PREFILL}", f"--decode_len={DECODE}", "--repeats=2", f"--out={out}"
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout, json.loads(out.read_text())
 
