@@ -1,7 +1,7 @@
 """Dequantization speed per GGUF type (glm53 vs gguf-py vs ggml); see glm53/quant/bench_dequant.py.
 
-    python -m experiments.bench_dequant [--types=IQ2_S,Q4_K] [--rows=4096] [--cols=2048] [--repeats=5]
-                                        [--out=bench_dequant.json]
+python -m experiments.bench_dequant [--types=IQ2_S,Q4_K] [--rows=4096] [--cols=2048] [--repeats=5]
+                                    [--out=bench_dequant.json]
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ from ml_collections import config_flags
 
 from kernels.moe import bench
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "benchmark set (configs/bench_kernels.py:NAME)", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "benchmark set (configs/bench_kernels.py:NAME)", lock_config=True
+)
 _OUT = flags.DEFINE_string("out", None, "write the result as JSON here")
 
 

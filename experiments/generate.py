@@ -8,13 +8,14 @@
 Prints the new token ids (and text when a tokenizer is present) and decode tokens/s.
 """
 
-
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from glm53 import build, generate, tokenizer
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config (configs/*.py[:variant])", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "experiment config (configs/*.py[:variant])", lock_config=True
+)
 _WEIGHTS = flags.DEFINE_string("weights", None, "HF safetensors folder (config, weights, tokenizer)")
 _PROMPT = flags.DEFINE_string("prompt", None, "prompt text")
 _PROMPT_IDS = flags.DEFINE_list("prompt_ids", None, "prompt as comma-separated token ids")
@@ -24,7 +25,9 @@ _TEMP = flags.DEFINE_float("temperature", 0.0, "0 = greedy")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "top-k filter (0 = off)")
 _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
-_SPEC = flags.DEFINE_bool("speculative", False, "greedy decoding with MTP drafts (reports the acceptance rate)")
+_SPEC = flags.DEFINE_bool(
+    "speculative", False, "greedy decoding with MTP drafts (reports the acceptance rate)"
+)
 _DTYPE = flags.DEFINE_string("dtype", "float32", "parameter dtype when loading --weights")
 
 
@@ -47,7 +50,9 @@ def main(argv):
         except ValueError:
             raise app.UsageError(f"--prompt_ids: not a list of integers: {_PROMPT_IDS.value}") from None
     elif _CHAT.value:
-        ids = tok.apply_chat_template([{"role": "user", "content": _PROMPT.value}], add_generation_prompt=True)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": _PROMPT.value}], add_generation_prompt=True
+        )
     else:
         ids = tok.encode(_PROMPT.value)
     bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
@@ -66,8 +71,10 @@ def main(argv):
     print("prompt ids:", ids)
     print("new ids:", new)
     print("text:", repr(tok.decode(new)))
-    print(f"prefill {len(ids)} tokens in {res.prefill_s:.3f}s; decode {len(new)} tokens at "
-          f"{res.decode_tokens_per_s:.2f} tok/s (incl. compile on the first steps)")
+    line = f"prefill {len(ids)} tokens in {res.prefill_s:.3f}s (incl. compile); decode {len(new)} tokens in {res.decode_s:.3f}s"
+    if res.steady_steps:
+        line += f"; steady decode {res.steady_tokens_per_s:.1f} tok/s per stream (after the first, compiling step)"
+    print(line)
     if _SPEC.value:
         print(f"MTP drafts accepted: {res.accepted}/{res.drafted} ({res.acceptance_rate:.1%})")
 

@@ -19,7 +19,9 @@ from ml_collections import config_flags
 
 from glm53 import build, scoring
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config (configs/*.py[:variant])", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "experiment config (configs/*.py[:variant])", lock_config=True
+)
 _WEIGHTS = flags.DEFINE_string("weights", None, "HF safetensors folder or GGUF file")
 _EXPERTS = flags.DEFINE_string("experts", None, "GGUF file with the routed experts (--weights: HF folder)")
 _TOKENS = flags.DEFINE_string("tokens", None, "JSON file: a list of token-id lists", required=True)
@@ -38,10 +40,14 @@ def main(argv):
             seqs = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise app.UsageError(f"--tokens={_TOKENS.value}: {e}") from None
-    if not isinstance(seqs, list) or not all(isinstance(s, list) and all(isinstance(t, int) for t in s) for s in seqs):
+    if not isinstance(seqs, list) or not all(
+        isinstance(s, list) and all(isinstance(t, int) for t in s) for s in seqs
+    ):
         raise app.UsageError(f"--tokens={_TOKENS.value}: expected a JSON list of lists of integers")
     if _WEIGHTS.value:
-        cfg, model = build.load_model(_WEIGHTS.value, experts=_EXPERTS.value, dtype=build.parse_dtype(_DTYPE.value))
+        cfg, model = build.load_model(
+            _WEIGHTS.value, experts=_EXPERTS.value, dtype=build.parse_dtype(_DTYPE.value)
+        )
     else:
         cfg, model = build.model_from_experiment_config(_CONFIG.value)
     logging.info("model config: %s", cfg)

@@ -46,7 +46,9 @@ def load_model(
     file), the HF folder's non-expert weights and that GGUF's routed experts."""
     if experts is not None:
         if not os.path.isdir(weights):
-            raise ValueError(f"{weights}: with experts={experts!r} the weights must be an HF checkpoint folder")
+            raise ValueError(
+                f"{weights}: with experts={experts!r} the weights must be an HF checkpoint folder"
+            )
         from glm53.checkpoint import gguf
 
         return gguf.load_hybrid(weights, experts, dtype=dtype, **kw)

@@ -187,7 +187,11 @@ def validate(c: ModelConfig) -> ModelConfig:
         if not isinstance(v, int) or v < 0:
             raise _err(f, f"must be a non-negative integer, got {v!r}")
     n = c.num_hidden_layers
-    for f, kinds in (("layer_types", ATTN_KINDS), ("mlp_layer_types", MLP_KINDS), ("indexer_types", INDEXER_KINDS)):
+    for f, kinds in (
+        ("layer_types", ATTN_KINDS),
+        ("mlp_layer_types", MLP_KINDS),
+        ("indexer_types", INDEXER_KINDS),
+    ):
         v = getattr(c, f)
         if len(v) != n:
             raise _err(f, f"has {len(v)} entries but num_hidden_layers is {n}")
@@ -204,9 +208,13 @@ def validate(c: ModelConfig) -> ModelConfig:
         elif not seen_full:
             raise _err("indexer_types", f"layer {i} is 'shared' but no earlier DSA layer runs a full indexer")
     if c.num_experts_per_tok > c.n_routed_experts:
-        raise _err("num_experts_per_tok", f"top-k {c.num_experts_per_tok} > n_routed_experts {c.n_routed_experts}")
+        raise _err(
+            "num_experts_per_tok", f"top-k {c.num_experts_per_tok} > n_routed_experts {c.n_routed_experts}"
+        )
     if c.n_routed_experts % c.n_group:
-        raise _err("n_group", f"n_routed_experts {c.n_routed_experts} is not divisible by n_group {c.n_group}")
+        raise _err(
+            "n_group", f"n_routed_experts {c.n_routed_experts} is not divisible by n_group {c.n_group}"
+        )
     if not 1 <= c.topk_group <= c.n_group:
         raise _err("topk_group", f"must be in [1, n_group={c.n_group}], got {c.topk_group}")
     if c.index_topk % c.index_kpool:
@@ -226,7 +234,9 @@ def validate(c: ModelConfig) -> ModelConfig:
         if not 0 <= t < c.vocab_size:
             raise _err("eos_token_ids", f"{t} outside vocab of {c.vocab_size}")
     if c.vision is not None and c.vision.hidden_size % c.vision.num_heads:
-        raise _err("vision.hidden_size", f"{c.vision.hidden_size} not divisible by num_heads {c.vision.num_heads}")
+        raise _err(
+            "vision.hidden_size", f"{c.vision.hidden_size} not divisible by num_heads {c.vision.num_heads}"
+        )
     return c
 
 
@@ -381,8 +391,19 @@ def model_config_from_hf(hf: Mapping[str, Any], *, index_kpool: int | None = Non
         raise _err("qk_rope_head_dim", "GLM-5.3 is NoPE; a rope dim > 0 is not supported")
     if text.get("num_key_value_heads") not in (None, text.get("num_attention_heads", 64)):
         raise _err("num_key_value_heads", "must equal num_attention_heads (MLA)")
-    known = set(_HF_DIRECT) | _HF_IGNORED | {"linear_attn_config", "layer_types", "mlp_layer_types",
-                                              "indexer_types", "eos_token_id", "vision_config", "pad_token_id"}
+    known = (
+        set(_HF_DIRECT)
+        | _HF_IGNORED
+        | {
+            "linear_attn_config",
+            "layer_types",
+            "mlp_layer_types",
+            "indexer_types",
+            "eos_token_id",
+            "vision_config",
+            "pad_token_id",
+        }
+    )
     unknown = sorted(k for k in text if k not in known and k not in top_level_ok and not k.startswith("_"))
     if unknown:
         raise ConfigError(f"HF config: unknown text_config keys {unknown}")
@@ -468,9 +489,14 @@ class QuantConfig:
     def __post_init__(self):
         object.__setattr__(self, "experts", _parse_experts(self.experts))
         if self.layout not in EXPERT_LAYOUTS:
-            raise _err("quant.layout", f"unknown layout {self.layout!r}; expected one of {list(EXPERT_LAYOUTS)}")
+            raise _err(
+                "quant.layout", f"unknown layout {self.layout!r}; expected one of {list(EXPERT_LAYOUTS)}"
+            )
         if self.moe_impl not in MOE_IMPLEMENTATIONS:
-            raise _err("quant.moe_impl", f"unknown implementation {self.moe_impl!r}; expected one of {list(MOE_IMPLEMENTATIONS)}")
+            raise _err(
+                "quant.moe_impl",
+                f"unknown implementation {self.moe_impl!r}; expected one of {list(MOE_IMPLEMENTATIONS)}",
+            )
         v = self.decode_max_slots
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise _err("quant.decode_max_slots", f"must be a non-negative integer, got {v!r}")
@@ -508,7 +534,9 @@ def _parse_experts(spec: Any) -> Any:
         pairs = {}
         for item in key.split(","):
             if item.count("=") != 1:
-                raise _err("quant.experts", f"cannot parse {item!r} in {spec!r}; write gate=FMT,up=FMT,down=FMT")
+                raise _err(
+                    "quant.experts", f"cannot parse {item!r} in {spec!r}; write gate=FMT,up=FMT,down=FMT"
+                )
             m, f = (x.strip() for x in item.split("="))
             if m in pairs:
                 raise _err("quant.experts", f"matrix {m!r} given twice in {spec!r}")
@@ -520,7 +548,9 @@ def _parse_experts(spec: Any) -> Any:
         raise _err("quant.experts", f"expected a string or a mapping, got {spec!r}")
     keys = set(spec)
     if keys != set(EXPERT_MATRICES):
-        raise _err("quant.experts", f"per-matrix mapping needs exactly {list(EXPERT_MATRICES)}, got {sorted(keys)}")
+        raise _err(
+            "quant.experts", f"per-matrix mapping needs exactly {list(EXPERT_MATRICES)}, got {sorted(keys)}"
+        )
     return tuple((m, _expert_format(spec[m], f"quant.experts.{m}")) for m in EXPERT_MATRICES)
 
 

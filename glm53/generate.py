@@ -39,11 +39,18 @@ class GenerationResult:
     decode_steps: int
     accepted: int = 0  # speculative decoding: accepted drafts
     drafted: int = 0  # speculative decoding: drafts proposed
+    steady_s: float = 0.0  # decode time after the first decode step (which includes compilation)
+    steady_steps: int = 0
 
     @property
     def decode_tokens_per_s(self) -> float:
         n = sum(len(t) for t in self.tokens)
         return n / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @property
+    def steady_tokens_per_s(self) -> float:
+        """Decode steps per second per stream after the first (compiling) step; nan with fewer than 2 steps."""
+        return self.steady_steps / self.steady_s if self.steady_s > 0 else float("nan")
 
     @property
     def acceptance_rate(self) -> float:
@@ -135,6 +142,7 @@ class Generator:
         done = np.zeros(b, bool)
         eos = set(sp.eos_ids)
         steps = 0
+        t_first = None
         while True:
             key, sub = jax.random.split(key)
             tok = np.asarray(self.sample(logits, sub, sp))
@@ -147,10 +155,18 @@ class Generator:
             _, logits, cache = self.forward(cache, tok[:, None])
             logits = logits[:, -1]
             steps += 1
+            if steps == 1:
+                jax.block_until_ready(logits)
+                t_first = time.perf_counter()
         t2 = time.perf_counter()
-        return GenerationResult(out, prefill_s=t1 - t0, decode_s=t2 - t1, decode_steps=steps)
+        res = GenerationResult(out, prefill_s=t1 - t0, decode_s=t2 - t1, decode_steps=steps)
+        if t_first is not None and steps > 1:
+            res.steady_s, res.steady_steps = t2 - t_first, steps - 1
+        return res
 
-    def generate_speculative(self, prompt: list[int], max_new: int, *, eos_ids=(), max_len: int | None = None):
+    def generate_speculative(
+        self, prompt: list[int], max_new: int, *, eos_ids=(), max_len: int | None = None
+    ):
         """Greedy decoding of one stream with MTP drafts: each step verifies [next, draft] with the trunk.
 
         Accepted draft -> two tokens per trunk step. Rejected -> the cache from before the step is restored and

@@ -81,7 +81,9 @@ class Glm53Model(nnx.Module):
             ]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs, dtype=dtype)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, (dims.EMBED, dims.VOCAB), rngs=rngs, dtype=dtype)
+        self.lm_head = Linear(
+            cfg.hidden_size, cfg.vocab_size, (dims.EMBED, dims.VOCAB), rngs=rngs, dtype=dtype
+        )
         mtp = None
         if with_mtp and cfg.num_nextn_predict_layers > 0:
             mtp = MTPBlock(cfg, rngs=rngs, dtype=dtype, kernels=kernels, quant=quant)

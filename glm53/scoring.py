@@ -26,7 +26,9 @@ def score(model: Glm53Model, sequences: list[list[int]]) -> tuple[list[np.ndarra
         if toks.ndim != 1 or len(toks) == 0:
             raise ValueError(f"sequence {i}: expected a non-empty list of token ids")
         if toks.min() < 0 or toks.max() >= vocab:
-            raise ValueError(f"sequence {i}: token ids must be in [0, {vocab}), got {toks.min()}..{toks.max()}")
+            raise ValueError(
+                f"sequence {i}: token ids must be in [0, {vocab}), got {toks.min()}..{toks.max()}"
+            )
         logits = np.asarray(fwd(state, jnp.asarray(toks[None], jnp.int32))[0], np.float32)
         all_logits.append(logits)
         if len(toks) < 2:

@@ -83,20 +83,26 @@ def test_score_entry_point(tmp_path, gen):
     seqs = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [5, 9]]
     (tmp_path / "t.json").write_text(json.dumps(seqs))
     out = tmp_path / "s.npz"
-    r = _run("experiments.score", "--config=configs/tiny.py", f"--tokens={tmp_path / 't.json'}", f"--out={out}")
+    r = _run(
+        "experiments.score", "--config=configs/tiny.py", f"--tokens={tmp_path / 't.json'}", f"--out={out}"
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     z = np.load(out)
     assert z["logits_0"].shape == (14, CFG.vocab_size) and z["logits_1"].shape == (2, CFG.vocab_size)
     # The entry point's random model is build.random_model(cfg, seed=0): recompute the NLL independently in numpy.
     logits, _ = build.random_model(CFG, seed=0)(jnp.asarray([seqs[0]]))
     lg = np.asarray(logits[0], np.float64)
-    lp = lg - np.log(np.exp(lg - lg.max(-1, keepdims=True)).sum(-1, keepdims=True)) - lg.max(-1, keepdims=True)
+    lp = (
+        lg - np.log(np.exp(lg - lg.max(-1, keepdims=True)).sum(-1, keepdims=True)) - lg.max(-1, keepdims=True)
+    )
     nll = -np.mean([lp[t, seqs[0][t + 1]] for t in range(13)])
     np.testing.assert_allclose(z["nll"][0], nll, rtol=1e-5)
     np.testing.assert_allclose(z["logits_0"], lg, rtol=1e-5, atol=1e-5)
     bad = tmp_path / "bad.json"
     bad.write_text("[[1, 2], [500]]")
-    r = _run("experiments.score", "--config=configs/tiny.py", f"--tokens={bad}", f"--out={tmp_path / 'x.npz'}")
+    r = _run(
+        "experiments.score", "--config=configs/tiny.py", f"--tokens={bad}", f"--out={tmp_path / 'x.npz'}"
+    )
     assert r.returncode != 0 and "sequence 1" in r.stderr
     assert not (tmp_path / "x.npz").exists()
 

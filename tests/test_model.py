@@ -110,7 +110,9 @@ def test_greedy_generation_matches_transformers_generate(pair):
     hf.generation_config.eos_token_id = None  # no early stop: compare all 32 tokens
     with torch.no_grad():
         x = torch.as_tensor(prompt[None])
-        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False, pad_token_id=0)
+        out = hf.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False, pad_token_id=0
+        )
     ref = out[0, len(prompt) :].tolist()
     res = gen.generate([list(prompt)], generate.SamplingParams(max_new=32))
     print("greedy:", res.tokens[0])

@@ -209,20 +209,27 @@ def test_auto_and_fallback(mix_weights, monkeypatch):
     qs, kernels = mix_weights
     x, ids, w = routing(3, np.random.default_rng(9), pool=E)
     # cpu: auto == xla_quant (decode form for 12 slots <= 64, prefill form for decode_max_slots=4)
-    np.testing.assert_array_equal(_run("auto", x, ids, w, qs["planes"]), _run("xla_quant_decode", x, ids, w, qs["planes"]))
     np.testing.assert_array_equal(
-        _run("auto", x, ids, w, qs["planes"], decode_max_slots=4), _run("xla_quant_prefill", x, ids, w, qs["planes"])
+        _run("auto", x, ids, w, qs["planes"]), _run("xla_quant_decode", x, ids, w, qs["planes"])
+    )
+    np.testing.assert_array_equal(
+        _run("auto", x, ids, w, qs["planes"], decode_max_slots=4),
+        _run("xla_quant_prefill", x, ids, w, qs["planes"]),
     )
     # the Pallas kernels take QuantizedExperts only: dense arrays raise NotImplementedError -> reference
     dense = {m: jnp.asarray(kernels[m], jnp.float32) for m in MIX}
-    np.testing.assert_array_equal(_run("pallas_tpu_decode", x, ids, w, dense), _run("reference", x, ids, w, dense))
+    np.testing.assert_array_equal(
+        _run("pallas_tpu_decode", x, ids, w, dense), _run("reference", x, ids, w, dense)
+    )
 
     # any implementation raising NotImplementedError at trace time falls back to the reference
     def unsupported(*args):
         raise NotImplementedError("not this shape")
 
     monkeypatch.setitem(api._IMPLEMENTATIONS, "xla_quant_decode", unsupported)
-    np.testing.assert_array_equal(_run("xla_quant", x, ids, w, qs["planes"]), _run("reference", x, ids, w, qs["planes"]))
+    np.testing.assert_array_equal(
+        _run("xla_quant", x, ids, w, qs["planes"]), _run("reference", x, ids, w, qs["planes"])
+    )
 
 
 def test_pallas_tpu_is_wired_through_the_api(mix_weights):
@@ -320,7 +327,10 @@ def test_tiny_model_with_ud_mix_equals_dense_dequantized_model():
     dense = _dense_twin(cfg, qmodel)
     fwd = nnx.jit(lambda m, t: m(t)[0])
     rng = np.random.default_rng(0)
-    for shape in ((1, 12), (3, 1)):  # 48 routed slots: prefill form; 12 slots: decode form (decode_max_slots 16)
+    for shape in (
+        (1, 12),
+        (3, 1),
+    ):  # 48 routed slots: prefill form; 12 slots: decode form (decode_max_slots 16)
         tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, shape), jnp.int32)
         ref = np.asarray(fwd(dense, tokens))
         err = rel_err(fwd(qmodel, tokens), ref)
@@ -364,6 +374,10 @@ def test_xla_quant_lowers_for_nvidia_gpus(mix_weights, layout):
     x, ids, w = routing(3, np.random.default_rng(13))
     x = jnp.asarray(x, jnp.bfloat16)
     for impl in ("xla_quant_decode", "xla_quant_prefill"):
-        fn = jax.jit(lambda x, i, w, g, u, d, impl=impl: api.moe_experts(x, i, w, g, u, d, LIMIT, implementation=impl))
-        text = export.export(fn, platforms=["cuda"])(x, ids, w, ws["gate"], ws["up"], ws["down"]).mlir_module()
+        fn = jax.jit(
+            lambda x, i, w, g, u, d, impl=impl: api.moe_experts(x, i, w, g, u, d, LIMIT, implementation=impl)
+        )
+        text = export.export(fn, platforms=["cuda"])(
+            x, ids, w, ws["gate"], ws["up"], ws["down"]
+        ).mlir_module()
         assert "stablehlo.while" in text and not re.search(r"custom_call", text)

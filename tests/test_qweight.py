@@ -74,14 +74,18 @@ def test_from_dense_quantizes_the_kernel(name):
     assert err <= MAX_REL_ERR[name], err
     # and the stored bytes are exactly what ggml's quantizer writes for the transposed rows
     rows = np.swapaxes(w, 1, 2).reshape(-1, 512)
-    np.testing.assert_array_equal(q.to_gguf_bytes().reshape(-1), np.frombuffer(ggml.quantize(rows, name, threads=1), np.uint8))
+    np.testing.assert_array_equal(
+        q.to_gguf_bytes().reshape(-1), np.frombuffer(ggml.quantize(rows, name, threads=1), np.uint8)
+    )
 
 
 def test_bytes_and_layout_formats():
     kernel = (288, 4096, 2048)  # gate: [E, D, F] -> GGUF [E, F, D]
     for name in ("IQ2_S", "IQ3_S", "IQ4_XS", "Q4_K", "BF16"):
         for layout in ("planes", "reencoded"):
-            q = jax.eval_shape(lambda k, n=name, lay=layout: QuantizedExperts.random(k, kernel, n, lay), jax.random.key(0))
+            q = jax.eval_shape(
+                lambda k, n=name, lay=layout: QuantizedExperts.random(k, kernel, n, lay), jax.random.key(0)
+            )
             lay = "reencoded" if layout == "reencoded" and name in REENCODABLE else "planes"
             assert q.layout == lay and q.format_name == name and q.shape == kernel
             assert q.nbytes == budget.plane_nbytes((288, 2048, 4096), name, None, lay)
@@ -91,11 +95,15 @@ def test_bytes_and_layout_formats():
         layout_format("IQ2_S", "packed")
 
 
-@pytest.mark.parametrize("name", ("IQ2_S", "IQ3_S", "IQ3_XXS", "IQ4_XS", "Q3_K", "Q4_K", "Q8_0", "BF16", "F32"))
+@pytest.mark.parametrize(
+    "name", ("IQ2_S", "IQ3_S", "IQ3_XXS", "IQ4_XS", "Q3_K", "Q4_K", "Q8_0", "BF16", "F32")
+)
 def test_random_init_is_valid_and_scaled(name):
     """Random experts are valid GGUF blocks (gguf-py decodes their bytes to our values) with RMS near std."""
     for layout in ("planes", "reencoded"):
-        q = jax.jit(lambda k, lay=layout: QuantizedExperts.random(k, (4, 256, 32), name, lay, 0.05))(jax.random.key(3))
+        q = jax.jit(lambda k, lay=layout: QuantizedExperts.random(k, (4, 256, 32), name, lay, 0.05))(
+            jax.random.key(3)
+        )
         P.check_planes(q.planes)
         deq = np.asarray(_deq(q))
         ref = gguf_dequant(q.to_gguf_bytes(), name, (4, 32, 256))
@@ -150,7 +158,11 @@ def test_expert_formats_per_layer():
     cfg = model_config_from_dict(tiny.get_config("gguf").model)  # MoE layers 3..7
     assert expert_formats(None, cfg, 3) is None
     assert expert_formats(QuantConfig(), cfg, 3) is None
-    assert expert_formats(QuantConfig(experts="q4_k"), cfg, None) == {"gate": "Q4_K", "up": "Q4_K", "down": "Q4_K"}
+    assert expert_formats(QuantConfig(experts="q4_k"), cfg, None) == {
+        "gate": "Q4_K",
+        "up": "Q4_K",
+        "down": "Q4_K",
+    }
     mixed = QuantConfig(experts="gate=IQ4_XS,up=Q8_0,down=BF16")
     assert expert_formats(mixed, cfg, 5) == {"gate": "IQ4_XS", "up": "Q8_0", "down": "BF16"}
     ud = QuantConfig(experts="ud_iq3_xxs")
@@ -168,7 +180,9 @@ def test_quant_config_parsing_and_errors():
     assert QuantConfig(experts="iq4_xs").experts == "IQ4_XS"
     pairs = (("gate", "IQ2_S"), ("up", "IQ2_S"), ("down", "Q4_K"))
     assert QuantConfig(experts=" gate=iq2_s, up=IQ2_S ,down=q4_k").experts == pairs
-    assert quant_config_from_dict({"experts": {"down": "q4_k", "up": "iq2_s", "gate": "IQ2_S"}}).experts == pairs
+    assert (
+        quant_config_from_dict({"experts": {"down": "q4_k", "up": "iq2_s", "gate": "IQ2_S"}}).experts == pairs
+    )
     bad = [
         ({"experts": "iq9"}, "quant.experts"),
         ({"experts": "FP8_E4M3"}, "quant.experts"),

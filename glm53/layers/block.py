@@ -33,10 +33,16 @@ class DecoderLayer(nnx.Module):
         self.attn_hc = HyperConnection(cfg, rngs=rngs, dtype=dtype, implementation=hc_impl)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, rngs=rngs, dtype=dtype)
         if self.attn_kind == "kda":
-            self.self_attn = kda_lib.KDA(cfg, rngs=rngs, dtype=dtype, implementation=kernels.get("kda", "reference"))
+            self.self_attn = kda_lib.KDA(
+                cfg, rngs=rngs, dtype=dtype, implementation=kernels.get("kda", "reference")
+            )
         else:
             self.self_attn = dsa_lib.DSA(
-                cfg, rngs=rngs, dtype=dtype, layer_idx=layer_idx, implementation=kernels.get("sparse_mla", "reference")
+                cfg,
+                rngs=rngs,
+                dtype=dtype,
+                layer_idx=layer_idx,
+                implementation=kernels.get("sparse_mla", "reference"),
             )
         self.ffn_hc = HyperConnection(cfg, rngs=rngs, dtype=dtype, implementation=hc_impl)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, rngs=rngs, dtype=dtype)

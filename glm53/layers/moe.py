@@ -91,7 +91,9 @@ class Experts(nnx.Module):
             if formats is None:
                 p = param(rngs, shape, axes, dtype)
             else:
-                p = nnx.Param(QuantizedExperts.random(rngs.params(), shape, formats[m], layout), logical_axes=axes)
+                p = nnx.Param(
+                    QuantizedExperts.random(rngs.params(), shape, formats[m], layout), logical_axes=axes
+                )
             setattr(self, f"{m}_proj", p)
 
     def __call__(self, x_td: jnp.ndarray, topk_ids_tk: jnp.ndarray, topk_w_tk: jnp.ndarray) -> jnp.ndarray:
@@ -124,8 +126,14 @@ class MoE(nnx.Module):
     ):
         """quant / layer_idx: routed-expert storage of this layer (layer_idx None: the MTP block)."""
         self.router = Router(cfg, rngs=rngs)
-        q = {} if quant is None else dict(
-            formats=expert_formats(quant, cfg, layer_idx), layout=quant.layout, decode_max_slots=quant.decode_max_slots
+        q = (
+            {}
+            if quant is None
+            else dict(
+                formats=expert_formats(quant, cfg, layer_idx),
+                layout=quant.layout,
+                decode_max_slots=quant.decode_max_slots,
+            )
         )
         self.experts = Experts(cfg, rngs=rngs, dtype=dtype, implementation=implementation, **q)
         width = cfg.moe_intermediate_size * cfg.n_shared_experts

@@ -1,9 +1,9 @@
 """The MTP block (checkpoint layer 45): a plain pre-norm residual block (no mHC) with DeepSeek-V3-style fusion.
 
-    x = eh_proj(concat[enorm(Embed[token_{p+1}]), hnorm(h_p)])      # embedding first
-    x = x + DSA(input_layernorm(x))
-    x = x + MoE(post_attention_layernorm(x))
-    logits_{p+2} = lm_head(shared_head_norm(x))                      # lm_head and embedding shared with the trunk
+x = eh_proj(concat[enorm(Embed[token_{p+1}]), hnorm(h_p)])      # embedding first
+x = x + DSA(input_layernorm(x))
+x = x + MoE(post_attention_layernorm(x))
+logits_{p+2} = lm_head(shared_head_norm(x))                      # lm_head and embedding shared with the trunk
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ class MTPBlock(nnx.Module):
             cfg, rngs=rngs, dtype=dtype, layer_idx=None, implementation=kernels.get("sparse_mla", "reference")
         )
         self.post_attention_layernorm = RMSNorm(d, eps, rngs=rngs, dtype=dtype)
-        self.mlp = MoE(cfg, rngs=rngs, dtype=dtype, implementation=kernels.get("moe", "reference"), quant=quant)
+        self.mlp = MoE(
+            cfg, rngs=rngs, dtype=dtype, implementation=kernels.get("moe", "reference"), quant=quant
+        )
         self.shared_head_norm = RMSNorm(d, eps, rngs=rngs, dtype=dtype)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):

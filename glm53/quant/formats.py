@@ -43,7 +43,9 @@ class QuantFormat:
     def nbytes(self, n_weights: int) -> int:
         """Bytes of `n_weights` weights (a multiple of block_size) in this format."""
         if n_weights % self.block_size:
-            raise ValueError(f"{self.name}: {n_weights} weights is not a multiple of the block size {self.block_size}")
+            raise ValueError(
+                f"{self.name}: {n_weights} weights is not a multiple of the block size {self.block_size}"
+            )
         return n_weights // self.block_size * self.type_size
 
 
@@ -85,7 +87,9 @@ for _name, (_bs, _spec) in _LAYOUTS.items():
     _ts = sum(f.nbytes for f in _fields)
     _gt = int(GGMLQuantizationType[_name])
     if GGML_QUANT_SIZES[GGMLQuantizationType[_name]] != (_bs, _ts):  # pragma: no cover - consistency guard
-        raise AssertionError(f"{_name}: layout {(_bs, _ts)} != gguf {GGML_QUANT_SIZES[GGMLQuantizationType[_name]]}")
+        raise AssertionError(
+            f"{_name}: layout {(_bs, _ts)} != gguf {GGML_QUANT_SIZES[GGMLQuantizationType[_name]]}"
+        )
     FORMATS[_name] = QuantFormat(_name, _gt, _bs, _ts, _fields)
 
 # FP8 e4m3 with 128x128 block scales (`weight_scale_inv`), the HF release format; not a GGUF type.
@@ -106,7 +110,9 @@ def get_format(name_or_type: str | int | GGMLQuantizationType) -> QuantFormat:
         key = name_or_type.strip().upper()
         if key in FORMATS:
             return FORMATS[key]
-        raise UnknownFormatError(f"unknown quantization format {name_or_type!r}; supported: {sorted(FORMATS)}")
+        raise UnknownFormatError(
+            f"unknown quantization format {name_or_type!r}; supported: {sorted(FORMATS)}"
+        )
     try:
         return _BY_TYPE[int(name_or_type)]
     except (KeyError, ValueError, TypeError):

@@ -83,7 +83,7 @@ class QuantizedExperts:
 
     @property
     def layout(self) -> str:
-        """"reencoded" when the planes hold a gather-free re-encoding, else "planes"."""
+        """ "reencoded" when the planes hold a gather-free re-encoding, else "planes"."""
         return "planes" if self.planes.fmt.ggml_type is not None else "reencoded"
 
     @property
@@ -118,7 +118,9 @@ class QuantizedExperts:
         """The experts `ids` [n] (int, clipped to [0, E-1]): planes gathered on the expert axis, lead [n]."""
         ids = jnp.clip(jnp.asarray(ids, jnp.int32), 0, self.n_experts - 1)
         fields = {k: jnp.take(v, ids, axis=0) for k, v in self.planes.fields.items()}
-        return QuantizedExperts(P.Planes(fields, self.planes.fmt, self.planes.shape, self.planes.block_splits))
+        return QuantizedExperts(
+            P.Planes(fields, self.planes.fmt, self.planes.shape, self.planes.block_splits)
+        )
 
     def dequantize_rows(self, dtype=jnp.float32) -> jax.Array:
         """All experts in GGUF orientation [E, out, in] (jit-able)."""
@@ -173,7 +175,9 @@ class QuantizedExperts:
         """
         f = fmt if isinstance(fmt, QuantFormat) else get_format(fmt)
         if len(shape) != 3:
-            raise ValueError(f"{name or 'expert tensor'} ({f.name}): shape must be [E, rows, cols], got {tuple(shape)}")
+            raise ValueError(
+                f"{name or 'expert tensor'} ({f.name}): shape must be [E, rows, cols], got {tuple(shape)}"
+            )
         lf = layout_format(f, layout)
         if lf.ggml_type is None:
             planes = _reencode().pack_reencoded(raw, f, shape, block_splits=block_splits, name=name)
@@ -235,7 +239,9 @@ class QuantizedExperts:
             if src.name == "F32":
                 fields["w"] = jnp.swapaxes(jax.lax.bitcast_convert_type(v, jnp.uint32), -1, -2)
             else:
-                h = jax.lax.bitcast_convert_type(v.astype(jnp.bfloat16 if src.name == "BF16" else jnp.float16), jnp.uint16)
+                h = jax.lax.bitcast_convert_type(
+                    v.astype(jnp.bfloat16 if src.name == "BF16" else jnp.float16), jnp.uint16
+                )
                 fields["w"] = P._pair(h.astype(jnp.uint32), 1, jnp)
         else:
             pool = _block_pool(src.name, lf.name, float(std))

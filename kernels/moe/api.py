@@ -31,7 +31,13 @@ from glm53.quant.qweight import QuantizedExperts
 from kernels.moe import reference, xla_quant
 from kernels.moe.reference import clamped_swiglu
 
-__all__ = ["moe_experts", "clamped_swiglu", "select_implementation", "IMPLEMENTATIONS", "DEFAULT_DECODE_MAX_SLOTS"]
+__all__ = [
+    "moe_experts",
+    "clamped_swiglu",
+    "select_implementation",
+    "IMPLEMENTATIONS",
+    "DEFAULT_DECODE_MAX_SLOTS",
+]
 
 DEFAULT_DECODE_MAX_SLOTS = 64
 _log = logging.getLogger(__name__)
@@ -73,7 +79,10 @@ IMPLEMENTATIONS = ("auto", *_BY_SLOTS, *_IMPLEMENTATIONS)
 
 
 def select_implementation(
-    implementation: str, n_slots: int, decode_max_slots: int = DEFAULT_DECODE_MAX_SLOTS, backend: str | None = None
+    implementation: str,
+    n_slots: int,
+    decode_max_slots: int = DEFAULT_DECODE_MAX_SLOTS,
+    backend: str | None = None,
 ) -> str:
     """The concrete implementation `moe_experts` runs for `implementation` and T*K = `n_slots` routed slots.
 
@@ -81,7 +90,9 @@ def select_implementation(
     decode form when n_slots <= decode_max_slots, else their prefill form. Unknown names raise ValueError.
     """
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"moe_experts: unknown implementation {implementation!r}; valid: {sorted(IMPLEMENTATIONS)}")
+        raise ValueError(
+            f"moe_experts: unknown implementation {implementation!r}; valid: {sorted(IMPLEMENTATIONS)}"
+        )
     if implementation == "auto":
         implementation = "pallas_tpu" if (backend or jax.default_backend()) == "tpu" else "xla_quant"
     if implementation in _BY_SLOTS:
@@ -122,7 +133,9 @@ def moe_experts(
     """
     if len(topk_ids_tk.shape) != 2:
         raise ValueError(f"moe_experts: topk_ids_tk must be [T, K], got shape {tuple(topk_ids_tk.shape)}")
-    name = select_implementation(implementation, topk_ids_tk.shape[0] * topk_ids_tk.shape[1], decode_max_slots)
+    name = select_implementation(
+        implementation, topk_ids_tk.shape[0] * topk_ids_tk.shape[1], decode_max_slots
+    )
     if len(x_td.shape) != 2:
         raise ValueError(f"moe_experts: x_td must be [T, D], got shape {tuple(x_td.shape)}")
     t, d = x_td.shape

@@ -144,9 +144,7 @@ def make_weights(s: Settings, layout: str, key) -> dict[str, QuantizedExperts]:
     e, d, f = s.n_experts, s.d_model, s.d_ff
     shapes = {"gate": (e, d, f), "up": (e, d, f), "down": (e, f, d)}
     keys = jax.random.split(key, 3)
-    return {
-        m: _random_weights(k, shapes[m], s.experts[m], layout, 0.02) for m, k in zip(MATRICES, keys)
-    }
+    return {m: _random_weights(k, shapes[m], s.experts[m], layout, 0.02) for m, k in zip(MATRICES, keys)}
 
 
 def _impl_fn(impl: str, op: str, s: Settings) -> Callable:
@@ -169,7 +167,9 @@ def _impl_fn(impl: str, op: str, s: Settings) -> Callable:
         )
         # Two programs: inside one, XLA fuses the expert gather into the dequantization and dequantizes only
         # the gathered experts; here every expert is dequantized and materialized, then the matmuls run.
-        dequant_all = jax.jit(lambda g, u, d, dtype: tuple(q.dequantize(dtype) for q in (g, u, d)), static_argnums=3)
+        dequant_all = jax.jit(
+            lambda g, u, d, dtype: tuple(q.dequantize(dtype) for q in (g, u, d)), static_argnums=3
+        )
         return lambda x, ids, w, g, u, d: inner(x, ids, w, *dequant_all(g, u, d, x.dtype))
     elif impl == "pallas_tpu":
         run = functools.partial(api.moe_experts, implementation=f"pallas_tpu_{op}")
@@ -232,7 +232,9 @@ def run_benchmark(settings: Settings, log: Callable[[str], None] = print) -> dic
                 times = {}
                 for impl in impls:
                     if impl == "reference" and slots > s.reference_max_slots:
-                        notes.append(f"reference skipped at {op} {tokens} tokens ({slots} slots > reference_max_slots)")
+                        notes.append(
+                            f"reference skipped at {op} {tokens} tokens ({slots} slots > reference_max_slots)"
+                        )
                         continue
                     try:
                         med, samples = time_fn(_impl_fn(impl, op, s), args, s.warmup, s.repeats)

@@ -41,13 +41,19 @@ def grouped_matmul(x_md: jnp.ndarray, w_ekn, group_sizes_e: jnp.ndarray) -> jnp.
     group_sizes_e [E] int32: rows per expert, in order; rows past sum(group_sizes) come out zero.
     """
     return jax.lax.ragged_dot(
-        x_md, dense_weight(w_ekn, x_md.dtype), group_sizes_e, precision=_HIGHEST, preferred_element_type=jnp.float32
+        x_md,
+        dense_weight(w_ekn, x_md.dtype),
+        group_sizes_e,
+        precision=_HIGHEST,
+        preferred_element_type=jnp.float32,
     )
 
 
 def expert_einsum(spec: str, x: jnp.ndarray, w) -> jnp.ndarray:
     """einsum(spec, x, w) against an expert weight w [E, ...], f32 result (dense oracle path)."""
-    return jnp.einsum(spec, x, dense_weight(w, x.dtype), precision=_HIGHEST, preferred_element_type=jnp.float32)
+    return jnp.einsum(
+        spec, x, dense_weight(w, x.dtype), precision=_HIGHEST, preferred_element_type=jnp.float32
+    )
 
 
 def moe_experts(
@@ -101,7 +107,9 @@ def moe_experts_gathered(
     xs = jnp.repeat(x_td, k, axis=0)  # [T*K, D]
 
     def mm(spec, a, w):  # against each slot's expert matrix w[ids[s]]
-        return jnp.einsum(spec, a, w[safe].astype(a.dtype), precision=_HIGHEST, preferred_element_type=jnp.float32)
+        return jnp.einsum(
+            spec, a, w[safe].astype(a.dtype), precision=_HIGHEST, preferred_element_type=jnp.float32
+        )
 
     h = clamped_swiglu(mm("sd,sdf->sf", xs, w_gate), mm("sd,sdf->sf", xs, w_up), swiglu_limit)
     o = mm("sf,sfd->sd", h.astype(x_td.dtype), w_down)  # [T*K, D] f32
