@@ -6,7 +6,7 @@ Sets:
   cpu    scaled down for a 2-core CPU (about two minutes): D 512, F 256, 64 experts, top-8; f32 activations.
   tiny   the smoke test's set (seconds).
 
-  python -m experiments.bench_kernels --config=configs/bench_kernels.py:cpu --out=/tmp/bench.json
+  python -m experiments.bench_kernels --config=configs/bench_kernels.py:cpu --out=bench_kernels.json
 Override fields from the command line, e.g. ``--config.layouts=planes --config.repeats=10``.
 
 Fields: experts (a QuantConfig `experts` spec; "ud_iq3_xxs" means its common layer: IQ2_S gate/up, IQ3_S down),

@@ -1,6 +1,6 @@
 """Routed-expert kernel benchmark: every `moe_experts` implementation on quantized experts, as JSON.
 
-  python -m experiments.bench_kernels --config=configs/bench_kernels.py:cpu --out=/tmp/bench_cpu.json
+  python -m experiments.bench_kernels --config=configs/bench_kernels.py:cpu --out=bench_kernels.json
   python -m experiments.bench_kernels --config=configs/bench_kernels.py:real --out=bench_real.json  # accelerator
 
 Prints one line per (layout, op, tokens, implementation): median time, effective GB/s of the distinct experts'

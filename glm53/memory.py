@@ -4,7 +4,7 @@
 the routed experts (GGUF blocks repacked as planes, glm53/quant/budget.py), the non-expert weights under one
 per-tensor-class storage rule (`STORAGE`), the vision tower, the caches of `streams` context sets, a
 workspace, the total and the headroom; plus parameter counts (glm53/param_inventory.py), a comparison with
-the audit article / prior art (/work/shared/spec/audit-article.txt, prior-art.md) that says why a figure
+the audit article / prior art (../shared/spec/audit-article.txt, prior-art.md) that says why a figure
 differs, and optionally a ladder of expert quantizations and whether each fits. Nothing is allocated.
 
 Placement (the prior art's pure tensor parallelism over one axis of `devices`):
@@ -78,7 +78,7 @@ STORAGE: dict[str, Storage] = {
 }
 VISION_STORAGE = Storage("bf16", "split", "vision tower at bf16 split evenly (the article's rule)")
 
-# Figures the audit article (/work/shared/spec/audit-article.txt) and the prior-art notes (prior-art.md)
+# Figures the audit article (../shared/spec/audit-article.txt) and the prior-art notes (prior-art.md)
 # print. Used ONLY as the comparison column and, for `hbm_used_gb`, as the measurement the workspace residual
 # is taken from; every "ours" figure is computed from the config, the shapes and the format definitions.
 REFERENCE = {
