@@ -33,10 +33,11 @@ from glm53.layers.moe import MoE
 from glm53.quant.qweight import QuantizedExperts
 
 
-class ShardedMoE(nnx.Module):
+class ShardedMoE(MoE):
     """A MoE layer whose experts run under shard_map on `mesh` by `rules` (module docstring).
 
-    Build with `ShardedMoE.wrap(moe, mesh, rules)` (or `wrap_moe_layers`); call like `MoE`.
+    Build with `ShardedMoE.wrap(moe, mesh, rules)` (or `wrap_moe_layers`); called like `MoE`, whose `__call__`
+    it inherits: only `routed_and_shared` is replaced.
     """
 
     def __init__(self, router, experts, shared_experts, mesh: Mesh, rules: S.Rules):
@@ -86,18 +87,7 @@ class ShardedMoE(nnx.Module):
         return nnx.from_flat_state([(p, one(p, v)) for p, v in flat])
 
     # ---------------------------------------------------------------------------------------------- forward
-    def __call__(self, x_btd: jnp.ndarray, *, return_routing: bool = False):
-        """x [..., D] -> y [..., D] in x's dtype; with return_routing also (ids [..., K] int32, weights [..., K])."""
-        lead, d = x_btd.shape[:-1], x_btd.shape[-1]
-        x_td = x_btd.reshape(-1, d)
-        ids, w = self.router(x_td)
-        y = self._experts(x_td, ids, w).reshape(*lead, d)
-        if return_routing:
-            k = ids.shape[-1]
-            return y, (ids.reshape(*lead, k), w.reshape(*lead, k))
-        return y
-
-    def _experts(self, x_td, ids_tk, w_tk):
+    def routed_and_shared(self, x_td, ids_tk, w_tk):
         n_tok = x_td.shape[0]
         rows = self.batch_axes if n_tok % S.axis_size(self.mesh, self.batch_axes) == 0 else ()
         row_spec = PartitionSpec(rows or None, None)
@@ -136,9 +126,15 @@ def wrap_moe_layers(model: nnx.Module, mesh: Mesh, rules: str | S.Rules) -> nnx.
     """Replaces (in place) every `MoE` submodule of `model` by a `ShardedMoE` over the same parameters and
     returns `model` (a `MoE` itself comes back wrapped)."""
     rules = S.get_rules(rules)
+    if isinstance(model, ShardedMoE):
+        return model
     if isinstance(model, MoE):
         return ShardedMoE.wrap(model, mesh, rules)
-    found = [(path, node) for path, node in nnx.iter_graph(model) if isinstance(node, MoE)]
+    found = [
+        (path, node)
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, MoE) and not isinstance(node, ShardedMoE)
+    ]
     for path, moe in found:
         parent = model
         for key in path[:-1]:

@@ -146,11 +146,15 @@ class MoE(nnx.Module):
         lead, d = x_btd.shape[:-1], x_btd.shape[-1]
         x_td = x_btd.reshape(-1, d)
         ids, w = self.router(x_td)
-        y = self.experts(x_td, ids, w)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x_td)
-        y = y.reshape(*lead, d)
+        y = self.routed_and_shared(x_td, ids, w).reshape(*lead, d)
         if return_routing:
             k = ids.shape[-1]
             return y, (ids.reshape(*lead, k), w.reshape(*lead, k))
+        return y
+
+    def routed_and_shared(self, x_td: jnp.ndarray, ids_tk: jnp.ndarray, w_tk: jnp.ndarray) -> jnp.ndarray:
+        """Routed experts' weighted sum plus the shared expert, [T, D] (the part a sharded MoE distributes)."""
+        y = self.experts(x_td, ids_tk, w_tk)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x_td)
         return y
