@@ -78,7 +78,7 @@ def quant_config() -> ml_collections.ConfigDict:
 
 
 def mesh_config() -> ml_collections.ConfigDict:
-    """Device mesh and sharding rules (glm53.sharding.MeshConfig): the prior art's 8-way tensor parallelism
+    """Device mesh and sharding rules (glm53.parallel.MeshConfig): the prior art's 8-way tensor parallelism
     (every device on "model"); ``--config.mesh.rules=ep`` for expert parallelism."""
     return ml_collections.ConfigDict(dict(axes=("data", "model"), shape=(1, -1), rules="tp"))
 

@@ -10,7 +10,7 @@ Variants:
 
   python -m experiments.generate --config=configs/tiny.py:default --prompt="hello" --max_new=16
 
-The ``mesh`` section (glm53.sharding.MeshConfig) picks the device mesh and rule set, e.g.
+The ``mesh`` section (glm53.parallel.MeshConfig) picks the device mesh and rule set, e.g.
 ``--config.mesh.shape="(2, 4)" --config.mesh.rules=ep``.
 """
 
@@ -128,7 +128,7 @@ def quant_config() -> ml_collections.ConfigDict:
 
 
 def mesh_config() -> ml_collections.ConfigDict:
-    """Device mesh and sharding rules (glm53.sharding.MeshConfig): every device on "model", tensor parallel."""
+    """Device mesh and sharding rules (glm53.parallel.MeshConfig): every device on "model", tensor parallel."""
     return ml_collections.ConfigDict(dict(axes=("data", "model"), shape=(1, -1), rules="tp"))
 
 

@@ -11,7 +11,7 @@ import os
 
 from absl import app, flags
 
-from glm53.quant.bench_dequant import format_table, run
+from glm53.benchmarks.dequant import format_table, run
 from glm53.quant.formats import I_QUANTS, K_QUANTS
 
 _TYPES = flags.DEFINE_list("types", list(I_QUANTS + K_QUANTS + ("Q8_0",)), "GGUF types to benchmark.")

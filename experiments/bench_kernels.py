@@ -17,7 +17,7 @@ import json
 from absl import app, flags
 from ml_collections import config_flags
 
-from kernels.moe import bench
+from glm53.benchmarks import kernels as bench
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "benchmark set (configs/bench_kernels.py:NAME)", lock_config=True

@@ -4,7 +4,7 @@
   python -m experiments.bench_model --configs=small --prefill_len=128 --decode_len=32 --repeats=5 --out=b.json
 
 For each config (``tiny`` = configs/tiny.py:default, ``small`` = configs/tiny.py:small, or any other variant name
-of configs/tiny.py) a randomized transformers model is built (glm53.reference.hf_torch), saved with
+of configs/tiny.py) a randomized transformers model is built (glm53.testing.hf_torch), saved with
 save_pretrained and loaded into glm53 through glm53.checkpoint.hf.load_hf_model, so both run the same fp32
 weights in one process. Measured per repeat, glm53 and transformers interleaved, batch 1:
 
@@ -145,7 +145,7 @@ def bench_config(name: str, prefill_len: int, decode_len: int, repeats: int, see
     from glm53.checkpoint import hf as hf_ckpt
     from glm53.config import model_config_from_dict
     from glm53.model import count_params
-    from glm53.reference.hf_torch import random_hf_model
+    from glm53.testing.hf_torch import random_hf_model
 
     cfg = model_config_from_dict(tiny.model_config(ALIASES.get(name, name)))
     t = time.perf_counter()

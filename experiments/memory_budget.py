@@ -19,8 +19,8 @@ import tempfile
 from absl import app, flags
 from ml_collections import config_flags
 
-from glm53 import memory
 from glm53.config import ConfigError, model_config_from_dict
+from glm53.memory import budget as memory
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "experiment config (configs/*.py[:variant])", lock_config=True

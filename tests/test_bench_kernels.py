@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from configs import bench_kernels
+from glm53.benchmarks import kernels as bench
 from glm53.quant import budget
-from kernels.moe import bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -23,12 +23,13 @@ from flax import nnx
 from gguf_fixtures import make_hf_folder
 
 from configs import tiny
-from glm53 import sharding as S
+from glm53 import parallel as S
 from glm53.checkpoint import gguf as gguf_ckpt
+from glm53.checkpoint import gguf_export as gguf_write
 from glm53.checkpoint import orbax_io
-from glm53.checkpoint.safetensors_file import CheckpointError
 from glm53.config import QuantConfig, model_config_from_dict
-from glm53.io import gguf_write
+from glm53.errors import CheckpointError
+from glm53.layers.param import path_str
 from glm53.quant.int8 import Int8Weight
 from glm53.quant.qweight import QuantizedExperts
 
@@ -75,7 +76,7 @@ def flat_leaves(model) -> dict[str, np.ndarray]:
 
 
 def param_values(model) -> dict[str, object]:
-    return {orbax_io.path_str(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}
+    return {path_str(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}
 
 
 def rel(a, b) -> float:

@@ -191,7 +191,7 @@ def test_bad_inputs():
 
 def test_bench_dequant_smoke():
     """The benchmark entry point runs end to end on a tiny matrix and its jax impls are exact."""
-    from glm53.quant import bench_dequant
+    from glm53.benchmarks import dequant as bench_dequant
 
     records = bench_dequant.run(["IQ4_XS", "Q8_0"], 8, 256, 1, 4, ["jax", "jax_into"], 0)
     assert records[-1]["type"] == "machine" and records[-1]["cpu_count"] >= 1

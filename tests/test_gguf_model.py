@@ -39,12 +39,13 @@ from hf_reference import hf_logits
 
 from configs import tiny
 from glm53.checkpoint import gguf as gguf_ckpt
+from glm53.checkpoint import gguf_export as gguf_write
 from glm53.checkpoint import gguf_rules as rules
 from glm53.checkpoint.hf import load_hf_checkpoint, load_hf_weights
-from glm53.checkpoint.safetensors_file import CheckpointError
 from glm53.config import QuantConfig, model_config_from_dict
-from glm53.io import gguf_write
+from glm53.errors import CheckpointError
 from glm53.io.gguf import open_gguf
+from glm53.layers.param import is_routed_expert
 from glm53.model import Glm53Model
 from glm53.quant.qweight import QuantizedExperts
 
@@ -304,10 +305,10 @@ def test_hybrid_hf_non_experts_plus_gguf_experts(world, quantized):
     hf = flat_params(load_hf_checkpoint(world.hf, CFG, dtype=jnp.float32)[0])
     assert set(hybrid) == set(full) == set(hf)
     for p, v in hybrid.items():
-        np.testing.assert_array_equal(v, full[p] if gguf_ckpt.is_routed_expert(p) else hf[p], err_msg=str(p))
+        np.testing.assert_array_equal(v, full[p] if is_routed_expert(p) else hf[p], err_msg=str(p))
     # The HF folder's per-expert tensors (16 experts x 3 matrices x 6 MoE blocks) are not even read.
     abstract = nnx.eval_shape(lambda: Glm53Model(CFG, rngs=nnx.Rngs(0)))
-    _, report = load_hf_weights(world.hf, abstract, CFG, skip=gguf_ckpt.is_routed_expert)
+    _, report = load_hf_weights(world.hf, abstract, CFG, skip=is_routed_expert)
     assert report.ignored["parameters filled from elsewhere (skip)"] == 16 * 3 * 6
     assert report.tensors_read == len(hf) - 3 * 6  # one key per non-expert parameter
 

@@ -22,9 +22,9 @@ from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextVisionConfig
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
 
-from glm53 import memory
 from glm53.config import ModelConfig, VisionConfig, as_hf_text_config, model_config_from_dict
-from glm53.param_inventory import model_param_inventory, param_counts, param_inventory, vision_inventory
+from glm53.memory import budget as memory
+from glm53.memory.inventory import model_param_inventory, param_counts, param_inventory, vision_inventory
 from glm53.quant import budget as qbudget
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

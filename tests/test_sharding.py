@@ -23,13 +23,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import config_flags
 
 from configs import tiny
-from glm53 import dims, memory
-from glm53 import sharding as S
+from glm53 import dims
+from glm53 import parallel as S
 from glm53.checkpoint import hf as hf_ckpt
 from glm53.config import ConfigError, QuantConfig, model_config_from_dict
-from glm53.expert_dispatch import ShardedMoE
 from glm53.layers.moe import MoE
+from glm53.memory import budget as memory
 from glm53.model import Glm53Model
+from glm53.parallel.moe import ShardedMoE
 from glm53.quant import budget
 from glm53.quant import planes as P
 from glm53.quant.formats import get_format

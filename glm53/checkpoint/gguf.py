@@ -32,9 +32,10 @@ from gguf.constants import GGMLQuantizationType
 
 from glm53.checkpoint import gguf_rules as rules
 from glm53.checkpoint.gguf_rules import Path, Target
-from glm53.checkpoint.safetensors_file import CheckpointError
 from glm53.config import ConfigError, ModelConfig
+from glm53.errors import CheckpointError
 from glm53.io.gguf import GGUFError, GGUFModel, TensorInfo
+from glm53.layers.param import is_routed_expert
 from glm53.quant import dequant
 from glm53.quant.formats import QuantFormat
 
@@ -362,11 +363,6 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.bfloat16, **kw) -> tup
     """(cfg, model) from a complete GGUF (see `load_gguf_checkpoint`)."""
     cfg, model, _ = load_gguf_checkpoint(path, dtype=dtype, **kw)
     return cfg, model
-
-
-def is_routed_expert(path: Path) -> bool:
-    """Whether a parameter path is a routed-expert matrix (``...mlp.experts.{gate,up,down}_proj``)."""
-    return len(path) >= 3 and path[-3:-1] == ("mlp", "experts")
 
 
 def load_hybrid(

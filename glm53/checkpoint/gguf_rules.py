@@ -23,8 +23,7 @@ import numpy as np
 from gguf.constants import GGUFValueType
 
 from glm53.config import ConfigError, ModelConfig
-
-Path = tuple[str | int, ...]
+from glm53.layers.param import Path
 
 ARCHITECTURES = ("glm5-next", "glm5next")
 DEFAULT_ARCH = "glm5-next"

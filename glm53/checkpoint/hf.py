@@ -28,8 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from glm53.checkpoint.hf_rules import Ignored, Mapped, Path, ShapeProblem, classify, path_str
-from glm53.checkpoint.safetensors_file import CheckpointError, SafetensorsFile
+from glm53.checkpoint.hf_rules import Ignored, Mapped, Path, ShapeProblem, classify
+from glm53.errors import CheckpointError
+from glm53.io.safetensors import SafetensorsFile
+from glm53.layers.param import path_str
 from glm53.quant.int8 import Int8Weight, quantize_int8
 
 _log = logging.getLogger(__name__)

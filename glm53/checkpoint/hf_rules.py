@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-Path = tuple[str | int, ...]
+from glm53.layers.param import Path
 
 
 class ShapeProblem(ValueError):
@@ -198,10 +198,6 @@ class Unknown:
 
 def parse_path(dotted: str) -> Path:
     return tuple(int(p) if p.isdigit() else p for p in dotted.split("."))
-
-
-def path_str(path: Path) -> str:
-    return ".".join(str(p) for p in path)
 
 
 def classify(key: str, num_hidden_layers: int, num_mtp_layers: int) -> Mapped | Ignored | Unknown:

@@ -20,7 +20,7 @@ that exists is complete. A rerun with the same arguments skips finished units (d
 naming what differs). Only when every unit exists are the sidecar and COMPLETE written and ``OUT.partial``
 renamed to OUT: an interrupted run never leaves a directory named OUT.
 
-Restore (`restore_model`): the model is built abstractly (`nnx.eval_shape`, or `glm53.sharding.
+Restore (`restore_model`): the model is built abstractly (`nnx.eval_shape`, or `glm53.parallel.
 abstract_sharded_model` on a mesh) and every leaf is read by Orbax with the leaf's target sharding
 (`ArrayRestoreArgs(sharding=...)`), so each device reads only the chunks of its own shard (arrays are stored in
 chunks of at most `chunk_bytes`). Quantized experts whose input blocks are split over the mesh need the planes
@@ -43,7 +43,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from glm53.checkpoint.safetensors_file import CheckpointError
 from glm53.config import (
     ModelConfig,
     QuantConfig,
@@ -51,6 +50,8 @@ from glm53.config import (
     model_config_to_dict,
     quant_config_from_dict,
 )
+from glm53.errors import CheckpointError
+from glm53.layers.param import Path, is_routed_expert, path_str
 from glm53.quant.int8 import Int8Weight
 
 _log = logging.getLogger(__name__)
@@ -65,20 +66,12 @@ PARTIAL_SUFFIX = ".partial"
 DEFAULT_CHUNK_BYTES = 8 << 20  # Orbax chunk size: the read granularity of a sharded restore
 DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "float32": "float32", "f32": "float32"}
 
-Path = tuple
-
 
 class ConversionInterrupted(RuntimeError):
     """Raised by `convert(interrupt_after=k)` after k units were written (a test hook)."""
 
 
 # ------------------------------------------------------------------------------------------------ paths / units
-def path_str(path: Path) -> str:
-    return ".".join(str(p) for p in path)
-
-
-def is_routed_expert(path: Path) -> bool:
-    return len(path) >= 3 and tuple(path[-3:-1]) == ("mlp", "experts")
 
 
 def unit_of(path: Path) -> str:
@@ -487,7 +480,7 @@ def _replicate_axis(sharding, axis: int):
 def _leaf_plan(entry: dict, var: nnx.Variable, mesh, rules, default, where: str):
     """For one manifest entry and its model variable: {leaf name: (shape, restore dtype, sharding)} and a
     function building the parameter value from the restored leaves."""
-    from glm53 import sharding as S
+    from glm53 import parallel as S
 
     QuantizedExperts = _quantized_experts_cls()
     target = var.get_value()
@@ -517,7 +510,7 @@ def _leaf_plan(entry: dict, var: nnx.Variable, mesh, rules, default, where: str)
 
 
 def _quantized_plan(entry, var, target, mesh, rules, default, where):
-    from glm53 import sharding as S
+    from glm53 import parallel as S
     from glm53.quant import planes as P
     from glm53.quant.qweight import layout_format
 
@@ -577,14 +570,14 @@ def restore_model(
     """The `Glm53Model` of a glm53 Orbax checkpoint, every leaf read straight into its place.
 
     mesh: None puts everything on the default device; a mesh builds the model with
-    `glm53.sharding.abstract_sharded_model(..., rules)` and reads each leaf with its NamedSharding (each device
+    `glm53.parallel.abstract_sharded_model(..., rules)` and reads each leaf with its NamedSharding (each device
     reads its shard only). dtype: parameter dtype (default: the one converted to; floats are cast on read).
     kernels: implementation per kernel op (overrides the stored quant.moe_impl for "moe").
     Raises CheckpointError naming the directory for incomplete / corrupted checkpoints and mismatches.
     """
     import orbax.checkpoint as ocp
 
-    from glm53 import sharding as S
+    from glm53 import parallel as S
     from glm53.model import Glm53Model
 
     d = os.path.abspath(os.fspath(ckpt_dir))

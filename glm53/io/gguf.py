@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from glm53.errors import GGUFError
 from glm53.io.sources import ByteSource, SourceError, is_url, open_source
 from glm53.quant.formats import QuantFormat, UnknownFormatError, get_format
 
@@ -88,10 +89,6 @@ _PLAIN_TENSOR_DTYPE = {
 }
 
 _SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
-
-
-class GGUFError(ValueError):
-    """A GGUF file that cannot be read: malformed, truncated, unsupported, or unreachable."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Parameter helpers: every parameter carries its logical axis names as ``logical_axes`` metadata."""
+"""Parameter helpers: every parameter carries its logical axis names as ``logical_axes`` metadata; parameter
+paths (the tuples `nnx` uses) print as dotted strings."""
 
 from __future__ import annotations
 
@@ -7,6 +8,18 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+Path = tuple[str | int, ...]  # an nnx parameter path, e.g. ("layers", 3, "mlp", "experts", "gate_proj")
+
+
+def path_str(path: Path) -> str:
+    """("layers", 3, "mlp") -> "layers.3.mlp"."""
+    return ".".join(str(p) for p in path)
+
+
+def is_routed_expert(path: Path) -> bool:
+    """Whether a parameter path is a routed-expert matrix (``...mlp.experts.{gate,up,down}_proj``)."""
+    return len(path) >= 3 and tuple(path[-3:-1]) == ("mlp", "experts")
 
 
 def param(

@@ -24,7 +24,7 @@ import math
 
 from glm53 import dims
 from glm53.config import ModelConfig
-from glm53.param_inventory import Tensor, param_counts, param_inventory, tensor_class, tensor_group
+from glm53.memory.inventory import Tensor, param_counts, param_inventory, tensor_class, tensor_group
 from glm53.quant import budget as qbudget
 from glm53.quant.formats import get_format
 

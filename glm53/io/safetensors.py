@@ -18,14 +18,7 @@ import struct
 import ml_dtypes
 import numpy as np
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded. ``problems`` lists every problem found (one line each)."""
-
-    def __init__(self, message: str, problems: list[str] | None = None):
-        super().__init__(message)
-        self.problems = list(problems) if problems is not None else [message]
-
+from glm53.errors import CheckpointError
 
 # safetensors dtype names -> numpy dtypes.
 DTYPES: dict[str, np.dtype] = {

@@ -17,7 +17,7 @@ routed elsewhere become empty slots (id = local E, which every implementation of
 shared expert is replicated and counted once (added on the first device of the expert axes only).
 
 Any implementation of `kernels.moe.api.moe_experts` runs per device on local weights (Pallas kernels cannot be
-partitioned by GSPMD); quantized planes get their local metadata via `sharding.local_planes`.
+partitioned by GSPMD); quantized planes get their local metadata via `local_planes`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,44 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from glm53 import dims
-from glm53 import sharding as S
+from glm53.errors import ShardingError
 from glm53.layers.moe import MoE
+from glm53.layers.param import path_str
+from glm53.parallel import rules as S
+from glm53.parallel.rules import Rules, axis_size, get_rules
+from glm53.quant import planes as P
 from glm53.quant.qweight import QuantizedExperts
+
+
+# ------------------------------------------------------------------------------------------------ planes
+def prepare_planes(value, axes, mesh: Mesh, rules: str | Rules, what: str = "expert tensor"):
+    """A QuantizedExperts whose word axis (input blocks) is split n ways -> the same weights with
+    `block_splits = n` (`planes.block_split_layout`); any other value unchanged. Traceable."""
+    if not isinstance(value, QuantizedExperts):
+        return value
+    n = axis_size(mesh, get_rules(rules).mesh_axes(axes[1], what), what)
+    planes = value.planes
+    if n == 1 or planes.block_splits == n:
+        return value
+    if planes.n_blocks % n:
+        raise ShardingError(f"{what}: {planes.n_blocks} input blocks ({value.format_name}) do not split over {n} "
+                            f"devices (whole blocks per device)")  # fmt: skip
+    if planes.block_splits != 1:
+        raise ShardingError(f"{what}: planes have block_splits={planes.block_splits}, need 1 or {n}")
+    return QuantizedExperts(P.block_split_layout(planes, n))
+
+
+def local_planes(planes, n_rows: int = 1, n_blocks: int = 1):
+    """Planes metadata of one device's shard (inside shard_map, where the plane arrays are already local):
+    rows / n_rows outputs and input blocks / n_blocks (block_splits / n_blocks groups)."""
+    rows, cols = planes.shape
+    s = planes.block_splits
+    if n_blocks > 1 and s % n_blocks:
+        raise ShardingError(f"{planes.fmt.name} planes: block_splits={s} does not split over {n_blocks} devices "
+                            "(use prepare_planes)")  # fmt: skip
+    return P.Planes(
+        planes.fields, planes.fmt, (rows // n_rows, cols // n_blocks), s // n_blocks if n_blocks > 1 else s
+    )
 
 
 class ShardedMoE(MoE):
@@ -62,7 +97,7 @@ class ShardedMoE(MoE):
         """PartitionSpecs (the pytree of the module's state) of every parameter leaf by the rules."""
 
         def one(path, var):
-            what = f"parameter {S.path_str(path)}"
+            what = f"parameter {path_str(path)}"
             leaves = S.value_leaf_axes(var.get_value(), S.param_axes(var, what), what)
             specs = [S.logical_to_spec(axes, self.rules, what) for _, axes, _ in leaves]
             return var.replace(value=jax.tree.unflatten(jax.tree.structure(var.get_value()), specs))
@@ -77,11 +112,11 @@ class ShardedMoE(MoE):
             value = var.get_value()
             if not isinstance(value, QuantizedExperts):
                 return var
-            what = f"parameter {S.path_str(path)}"
+            what = f"parameter {path_str(path)}"
             axes = S.param_axes(var, what)
             n_blocks = S.axis_size(self.mesh, self.rules.mesh_axes(axes[1], what), what)
             n_rows = S.axis_size(self.mesh, self.rules.mesh_axes(axes[2], what), what)
-            return var.replace(value=QuantizedExperts(S.local_planes(value.planes, n_rows, n_blocks)))
+            return var.replace(value=QuantizedExperts(local_planes(value.planes, n_rows, n_blocks)))
 
         flat = nnx.to_flat_state(state)
         return nnx.from_flat_state([(p, one(p, v)) for p, v in flat])

@@ -2,7 +2,7 @@
 
 Every parameter carries logical axis names (`glm53.dims`, ``logical_axes`` metadata); a rule set maps each
 logical name to mesh axes (or None: replicated). The mesh is built once from the config's ``mesh`` section
-(`MeshConfig`, `make_mesh`); everything physical about placement lives here and in `glm53.expert_dispatch`.
+(`MeshConfig`, `make_mesh`); everything physical about placement lives here and in `glm53.parallel.moe`.
 
 Rule sets (`RULE_SETS`, chosen by ``config.mesh.rules``):
 
@@ -18,7 +18,7 @@ Rule sets (`RULE_SETS`, chosen by ``config.mesh.rules``):
 Both put the stream (batch) axis of activations and caches on "data" (size 1 by default).
 
 MoE layers: `shard_model` / `abstract_sharded_model` / `init_sharded_model` wrap every MoE layer in
-`glm53.expert_dispatch.ShardedMoE` (same parameters, same paths), which runs the routed and shared experts
+`glm53.parallel.moe.ShardedMoE` (same parameters, same paths), which runs the routed and shared experts
 under shard_map and sums them with ONE all-reduce per layer. Everything else is partitioned by GSPMD from the
 parameter shardings.
 
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -52,8 +52,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from glm53 import dims
-from glm53.config import ConfigError, ModelConfig
-from glm53.quant import planes as P
+from glm53.config import ModelConfig
+from glm53.config.mesh import MeshConfig, mesh_config_from_dict
+from glm53.errors import ShardingError
+from glm53.layers.param import path_str
 from glm53.quant.int8 import Int8Weight
 from glm53.quant.qweight import QuantizedExperts
 
@@ -65,10 +67,6 @@ CACHE_POOLS = "cache_pools"  # pooled-key rows of the indexer cache
 CONV_CHANNELS = "conv_channels"  # q | k | v channels of the KDA conv state (3 * heads * head_dim)
 
 MeshAxes = str | tuple[str, ...] | None
-
-
-class ShardingError(ValueError):
-    """A rule set cannot shard a tensor (collision, unknown axis, indivisible dimension); the message names it."""
 
 
 # ---------------------------------------------------------------------------------------------------- rules
@@ -141,72 +139,6 @@ def get_rules(rules: str | Rules) -> Rules:
     return RULE_SETS[rules]
 
 
-# ---------------------------------------------------------------------------------------------------- mesh
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    """The ``mesh`` section of an experiment config.
-
-    axes: mesh axis names. shape: devices per axis, at most one -1 (= the remaining devices); the default puts
-    every device on "model". rules: the rule set, a key of `RULE_SETS` ("tp" | "ep").
-    """
-
-    axes: tuple[str, ...] = ("data", "model")
-    shape: tuple[int, ...] = (1, -1)
-    rules: str = "tp"
-
-    def __post_init__(self):
-        object.__setattr__(self, "axes", tuple(self.axes))
-        object.__setattr__(self, "shape", tuple(self.shape))
-        if (
-            not self.axes
-            or len(set(self.axes)) != len(self.axes)
-            or not all(isinstance(a, str) for a in self.axes)
-        ):
-            raise ConfigError(f"config field 'mesh.axes': need distinct axis names, got {self.axes!r}")
-        if len(self.shape) != len(self.axes):
-            raise ConfigError(f"config field 'mesh.shape': {self.shape!r} has {len(self.shape)} entries for axes "
-                              f"{self.axes!r}")  # fmt: skip
-        ok = all(isinstance(s, int) and not isinstance(s, bool) and (s >= 1 or s == -1) for s in self.shape)
-        if not ok or self.shape.count(-1) > 1:
-            raise ConfigError(f"config field 'mesh.shape': sizes must be positive with at most one -1, got "
-                              f"{self.shape!r}")  # fmt: skip
-        if self.rules not in RULE_SETS:
-            raise ConfigError(f"config field 'mesh.rules': unknown rule set {self.rules!r}; expected one of "
-                              f"{sorted(RULE_SETS)}")  # fmt: skip
-
-    def resolved_shape(self, n_devices: int) -> tuple[int, ...]:
-        """`shape` with the -1 filled in for `n_devices` devices (ConfigError when they do not fit exactly)."""
-        known = math.prod(s for s in self.shape if s != -1)
-        if -1 in self.shape:
-            if n_devices % known:
-                raise ConfigError(
-                    f"config field 'mesh.shape': {self.shape!r} does not divide {n_devices} devices"
-                )
-            return tuple(n_devices // known if s == -1 else s for s in self.shape)
-        if known != n_devices:
-            raise ConfigError(
-                f"config field 'mesh.shape': {self.shape!r} holds {known} devices, have {n_devices}"
-            )
-        return self.shape
-
-    @property
-    def rule_set(self) -> Rules:
-        return RULE_SETS[self.rules]
-
-
-def mesh_config_from_dict(d: Mapping[str, Any] | Any) -> MeshConfig:
-    """MeshConfig from the ``mesh`` ConfigDict / dict; unknown keys are an error."""
-    if hasattr(d, "to_dict"):
-        d = d.to_dict()
-    if not isinstance(d, Mapping):
-        raise ConfigError(f"mesh config: expected a mapping, got {d!r}")
-    fields = {f.name for f in dataclasses.fields(MeshConfig)}
-    unknown = sorted(set(d) - fields)
-    if unknown:
-        raise ConfigError(f"mesh config: unknown keys {unknown}; valid keys are {sorted(fields)}")
-    return MeshConfig(**d)
-
-
 def make_mesh(
     cfg: MeshConfig | Mapping[str, Any] | None = None, devices: Sequence[Any] | None = None
 ) -> Mesh:
@@ -224,7 +156,7 @@ def make_mesh(
 def mesh_from_experiment_config(config) -> tuple[Mesh, Rules]:
     """(mesh, rules) from an experiment ConfigDict's optional ``mesh`` section (absent: the defaults)."""
     cfg = mesh_config_from_dict(config.mesh) if "mesh" in config else MeshConfig()
-    return make_mesh(cfg), cfg.rule_set
+    return make_mesh(cfg), get_rules(cfg.rules)
 
 
 def axis_size(mesh: Mesh, axes: Sequence[str], what: str = "tensor") -> int:
@@ -274,8 +206,6 @@ def logical_to_sharding(
 
 
 # ------------------------------------------------------------------------------------------- parameters
-def path_str(path) -> str:
-    return ".".join(str(p) for p in path)
 
 
 def param_axes(var: nnx.Variable, what: str) -> tuple[str | None, ...]:
@@ -368,156 +298,6 @@ def check_config(cfg: ModelConfig, mesh: Mesh, rules: str | Rules) -> None:
                             f"({logical!r} -> {rules.mesh_axes(logical)} in rule set {rules.name!r})")  # fmt: skip
     if problems:
         raise ShardingError("; ".join(dict.fromkeys(problems)))
-
-
-# ------------------------------------------------------------------------------------------------ planes
-def prepare_planes(value, axes, mesh: Mesh, rules: str | Rules, what: str = "expert tensor"):
-    """A QuantizedExperts whose word axis (input blocks) is split n ways -> the same weights with
-    `block_splits = n` (`planes.block_split_layout`); any other value unchanged. Traceable."""
-    if not isinstance(value, QuantizedExperts):
-        return value
-    n = axis_size(mesh, get_rules(rules).mesh_axes(axes[1], what), what)
-    planes = value.planes
-    if n == 1 or planes.block_splits == n:
-        return value
-    if planes.n_blocks % n:
-        raise ShardingError(f"{what}: {planes.n_blocks} input blocks ({value.format_name}) do not split over {n} "
-                            f"devices (whole blocks per device)")  # fmt: skip
-    if planes.block_splits != 1:
-        raise ShardingError(f"{what}: planes have block_splits={planes.block_splits}, need 1 or {n}")
-    return QuantizedExperts(P.block_split_layout(planes, n))
-
-
-def local_planes(planes, n_rows: int = 1, n_blocks: int = 1):
-    """Planes metadata of one device's shard (inside shard_map, where the plane arrays are already local):
-    rows / n_rows outputs and input blocks / n_blocks (block_splits / n_blocks groups)."""
-    rows, cols = planes.shape
-    s = planes.block_splits
-    if n_blocks > 1 and s % n_blocks:
-        raise ShardingError(f"{planes.fmt.name} planes: block_splits={s} does not split over {n_blocks} devices "
-                            "(use prepare_planes)")  # fmt: skip
-    return P.Planes(
-        planes.fields, planes.fmt, (rows // n_rows, cols // n_blocks), s // n_blocks if n_blocks > 1 else s
-    )
-
-
-# --------------------------------------------------------------------------------------------- placement
-def _map_params(fn: Callable[[str, nnx.Variable], Any], state: nnx.State) -> nnx.State:
-    flat = nnx.to_flat_state(state)
-    return nnx.from_flat_state([(path, fn(f"parameter {path_str(path)}", var)) for path, var in flat])
-
-
-def _prepare_state(state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
-    def one(what, var):
-        return var.replace(value=prepare_planes(var.get_value(), param_axes(var, what), mesh, rules, what))
-
-    return _map_params(one, state)
-
-
-def state_shardings(state: nnx.State, mesh: Mesh, rules: str | Rules) -> nnx.State:
-    """A State shaped like `state` whose array leaves are their NamedShardings (for `jax.device_put` or
-    `jax.jit(out_shardings=...)`). `state` may be abstract. Quantized planes must already be prepared."""
-    rules = get_rules(rules)
-    check_rules(state, rules, mesh)
-
-    def one(what, var):
-        return var.replace(value=_value_shardings(var.get_value(), param_axes(var, what), mesh, rules, what))
-
-    return _map_params(one, state)
-
-
-def _dispatch(model: nnx.Module, mesh: Mesh, rules: Rules, moe_dispatch: bool) -> nnx.Module:
-    if not moe_dispatch:
-        return model
-    from glm53.expert_dispatch import wrap_moe_layers
-
-    return wrap_moe_layers(model, mesh, rules)
-
-
-def shard_model(
-    model: nnx.Module, mesh: Mesh, rules: str | Rules, *, moe_dispatch: bool = True
-) -> nnx.Module:
-    """A copy of `model` with every parameter placed by its rule (quantized planes re-laid out first) and, with
-    `moe_dispatch`, every MoE layer wrapped in `expert_dispatch.ShardedMoE`. `model` itself is left as it is."""
-    rules = get_rules(rules)
-    graphdef, state = nnx.split(model)
-    state = _prepare_state(state, mesh, rules)
-    state = jax.device_put(state, state_shardings(state, mesh, rules))
-    return _dispatch(nnx.merge(graphdef, state), mesh, rules, moe_dispatch)
-
-
-def abstract_sharded_model(
-    build: Callable[[], nnx.Module], mesh: Mesh, rules: str | Rules, *, moe_dispatch: bool = True
-) -> nnx.Module:
-    """`nnx.eval_shape(build)` whose parameters are ShapeDtypeStructs carrying their NamedShardings (what the
-    checkpoint loaders' `put` receives), quantized planes in their sharded layout, MoE layers wrapped."""
-    rules = get_rules(rules)
-    graphdef, state = nnx.split(nnx.eval_shape(build))
-    state = jax.eval_shape(lambda s: _prepare_state(s, mesh, rules), state)
-    shardings = state_shardings(state, mesh, rules)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
-    return _dispatch(nnx.merge(graphdef, state), mesh, rules, moe_dispatch)
-
-
-def init_sharded_model(
-    build: Callable[[], nnx.Module], mesh: Mesh, rules: str | Rules, *, moe_dispatch: bool = True
-) -> nnx.Module:
-    """`build()` initialized directly into its shardings (one jit with out_shardings: no whole copy anywhere)."""
-    rules = get_rules(rules)
-    graphdef, state = nnx.split(nnx.eval_shape(build))
-    state = jax.eval_shape(lambda s: _prepare_state(s, mesh, rules), state)
-    shardings = state_shardings(state, mesh, rules)
-    state = jax.jit(lambda: _prepare_state(nnx.state(build()), mesh, rules), out_shardings=shardings)()
-    return _dispatch(nnx.merge(graphdef, state), mesh, rules, moe_dispatch)
-
-
-# ------------------------------------------------------------------------------------------------ caches
-def cache_shardings(cache, mesh: Mesh, rules: str | Rules):
-    """NamedShardings (the pytree of `cache`, a `glm53.model.Cache`, possibly abstract) by the cache rules of
-    the module docstring. A batch that the "data" axis does not divide stays replicated."""
-    from glm53.layers.dsa import DSACache
-    from glm53.layers.kda import KDACache
-    from glm53.model import Cache
-
-    rules = get_rules(rules)
-    if not isinstance(cache, Cache):
-        raise ShardingError(f"cache_shardings: expected a glm53.model.Cache, got {type(cache).__name__}")
-    n_batch = axis_size(mesh, rules.mesh_axes(BATCH), "cache batch")
-
-    def sh(axes, a, what):
-        if a.shape[0] % n_batch:
-            axes = (None, *axes[1:])
-        return logical_to_sharding(axes, mesh, rules, a.shape, what)
-
-    def layer(c, i):
-        if c is None:
-            return None
-        if isinstance(c, KDACache):  # conv_state [B, K-1, 3*H*d], state [B, H, dk, dv]
-            return KDACache(
-                conv_state=sh((BATCH, None, CONV_CHANNELS), c.conv_state, f"KDA cache {i} conv_state"),
-                state=sh((BATCH, dims.KDA_HEADS, None, None), c.state, f"KDA cache {i} state"),
-            )
-        if isinstance(
-            c, DSACache
-        ):  # latent [B, S, R], index_k / index_gate [B, S, C], pooled [B, S/kpool, C]
-            return DSACache(
-                latent=sh((BATCH, CACHE_SEQ, None), c.latent, f"DSA cache {i} latent"),
-                index_k=sh((BATCH, CACHE_SEQ, None), c.index_k, f"DSA cache {i} index_k"),
-                index_gate=sh((BATCH, CACHE_SEQ, None), c.index_gate, f"DSA cache {i} index_gate"),
-                pooled=sh((BATCH, CACHE_POOLS, None), c.pooled, f"DSA cache {i} pooled"),
-            )
-        raise ShardingError(f"cache layer {i}: unknown cache type {type(c).__name__}")
-
-    return Cache(
-        length=sh((BATCH,), cache.length, "cache length"),
-        layers=tuple(layer(c, i) for i, c in enumerate(cache.layers)),
-        mtp=layer(cache.mtp, "mtp"),
-    )
-
-
-def shard_cache(cache, mesh: Mesh, rules: str | Rules):
-    """`cache` placed by `cache_shardings`."""
-    return jax.device_put(cache, cache_shardings(cache, mesh, rules))
 
 
 # ------------------------------------------------------------------------------------------- activations

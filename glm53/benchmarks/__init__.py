@@ -1,0 +1,1 @@
+"""Benchmark logic behind the experiments.bench_* entry points, on one shared harness."""

@@ -1,0 +1,223 @@
+"""The model's architecture as a frozen dataclass (`ModelConfig`), validated field by field.
+
+Layer kinds use our short names: attention ``"kda"`` / ``"dsa"``, FFN ``"dense"`` / ``"moe"``, indexer
+``"full"`` / ``"shared"``. HF spellings are translated in `glm53.config.hf` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from glm53.config.fields import field_error as _err
+from glm53.config.fields import from_dict
+
+ATTN_KINDS = ("kda", "dsa")
+MLP_KINDS = ("dense", "moe")
+INDEXER_KINDS = ("full", "shared")
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower's shape (only used for the memory budget; the text port does not run it)."""
+
+    depth: int = 24
+    hidden_size: int = 1024
+    num_heads: int = 16
+    intermediate_size: int = 4096
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    out_hidden_size: int = 4096
+    projection_intermediate_size: int = 10240
+    attention_bias: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """GLM-5.3-Flash text model. Field names follow HF ``Glm5NextTextConfig`` where one exists."""
+
+    # Trunk.
+    vocab_size: int = 154880
+    hidden_size: int = 4096
+    num_hidden_layers: int = 45
+    num_nextn_predict_layers: int = 1
+    layer_types: tuple[str, ...] = ()  # "kda" | "dsa", len == num_hidden_layers
+    mlp_layer_types: tuple[str, ...] = ()  # "dense" | "moe"
+    indexer_types: tuple[str, ...] = ()  # "full" | "shared" (per layer; only read on dsa layers)
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 1048576
+    tie_word_embeddings: bool = False
+
+    # Dense FFN and experts.
+    intermediate_size: int = 12288
+    moe_intermediate_size: int = 2048
+    n_routed_experts: int = 288
+    num_experts_per_tok: int = 8
+    n_shared_experts: int = 1
+    routed_scaling_factor: float = 2.5
+    norm_topk_prob: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    swiglu_limit: float = 10.0
+
+    # KDA (linear attention).
+    linear_num_heads: int = 64
+    linear_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    linear_lower_bound: float = -5.0
+
+    # DSA = NoPE MLA.
+    num_attention_heads: int = 64
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 256
+    v_head_dim: int = 256
+
+    # KPool lightning indexer.
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    index_kpool: int = 4
+    index_kpool_always_select_tail: bool = True
+    index_norm_eps: float = 1e-6  # indexer k_norm LayerNorm eps
+
+    # mHC.
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+
+    # Tokens.
+    eos_token_ids: tuple[int, ...] = (154820, 154827, 154829)
+    pad_token_id: int = 154820
+
+    vision: VisionConfig | None = None
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def num_dsa_layers(self) -> int:
+        return sum(t == "dsa" for t in self.layer_types)
+
+    @property
+    def num_kda_layers(self) -> int:
+        return sum(t == "kda" for t in self.layer_types)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(t == "moe" for t in self.mlp_layer_types)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim  # NoPE: no rope part
+
+    @property
+    def index_num_pools_selected(self) -> int:
+        return self.index_topk // self.index_kpool
+
+    @property
+    def kda_gate_rank(self) -> int:
+        """Low-rank width of f_a/f_b and g_a/g_b (== linear_head_dim, as in every implementation)."""
+        return self.linear_head_dim
+
+    @property
+    def kda_dim(self) -> int:
+        return self.linear_num_heads * self.linear_head_dim
+
+    def replace(self, **kw) -> ModelConfig:
+        return validate(dataclasses.replace(self, **kw))
+
+    def __post_init__(self):
+        # Fill the per-layer schedules when left empty (release defaults), then validate.
+        n = self.num_hidden_layers
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", tuple("dsa" if i % 4 == 3 else "kda" for i in range(n)))
+        if not self.mlp_layer_types:
+            k = min(3, n)
+            object.__setattr__(self, "mlp_layer_types", ("dense",) * k + ("moe",) * (n - k))
+        if not self.indexer_types:
+            object.__setattr__(self, "indexer_types", ("full",) * n)
+        for name in ("layer_types", "mlp_layer_types", "indexer_types", "eos_token_ids"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        validate(self)
+
+
+def validate(c: ModelConfig) -> ModelConfig:
+    """Checks every cross-field constraint; raises ConfigError naming the field."""
+    positive = [
+        "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "moe_intermediate_size",
+        "n_routed_experts", "num_experts_per_tok", "linear_num_heads", "linear_head_dim",
+        "linear_conv_kernel_dim", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+        "qk_nope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk", "index_kpool",
+        "hc_mult", "hc_sinkhorn_iters",
+    ]  # fmt: skip
+    for f in positive:
+        v = getattr(c, f)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise _err(f, f"must be a positive integer, got {v!r}")
+    for f in ("num_nextn_predict_layers", "n_shared_experts"):
+        v = getattr(c, f)
+        if not isinstance(v, int) or v < 0:
+            raise _err(f, f"must be a non-negative integer, got {v!r}")
+    n = c.num_hidden_layers
+    for f, kinds in (
+        ("layer_types", ATTN_KINDS),
+        ("mlp_layer_types", MLP_KINDS),
+        ("indexer_types", INDEXER_KINDS),
+    ):
+        v = getattr(c, f)
+        if len(v) != n:
+            raise _err(f, f"has {len(v)} entries but num_hidden_layers is {n}")
+        bad = sorted({t for t in v if t not in kinds})
+        if bad:
+            raise _err(f, f"unknown kinds {bad}; expected one of {list(kinds)}")
+    # A 'shared' indexer needs an earlier 'full' DSA layer to reuse.
+    seen_full = False
+    for i, (a, it) in enumerate(zip(c.layer_types, c.indexer_types)):
+        if a != "dsa":
+            continue
+        if it == "full":
+            seen_full = True
+        elif not seen_full:
+            raise _err("indexer_types", f"layer {i} is 'shared' but no earlier DSA layer runs a full indexer")
+    if c.num_experts_per_tok > c.n_routed_experts:
+        raise _err(
+            "num_experts_per_tok", f"top-k {c.num_experts_per_tok} > n_routed_experts {c.n_routed_experts}"
+        )
+    if c.n_routed_experts % c.n_group:
+        raise _err(
+            "n_group", f"n_routed_experts {c.n_routed_experts} is not divisible by n_group {c.n_group}"
+        )
+    if not 1 <= c.topk_group <= c.n_group:
+        raise _err("topk_group", f"must be in [1, n_group={c.n_group}], got {c.topk_group}")
+    if c.index_topk % c.index_kpool:
+        raise _err("index_topk", f"{c.index_topk} is not divisible by index_kpool {c.index_kpool}")
+    if c.tie_word_embeddings:
+        raise _err("tie_word_embeddings", "GLM-5.3 has an untied lm_head; tied embeddings are not supported")
+    if c.swiglu_limit <= 0:
+        raise _err("swiglu_limit", f"must be > 0, got {c.swiglu_limit}")
+    if c.linear_lower_bound >= 0:
+        raise _err("linear_lower_bound", f"must be negative (a scale on sigmoid), got {c.linear_lower_bound}")
+    for f in ("rms_norm_eps", "hc_eps", "index_norm_eps"):
+        if not getattr(c, f) > 0:
+            raise _err(f, f"must be > 0, got {getattr(c, f)}")
+    if not 0 <= c.pad_token_id < c.vocab_size:
+        raise _err("pad_token_id", f"{c.pad_token_id} outside vocab of {c.vocab_size}")
+    for t in c.eos_token_ids:
+        if not 0 <= t < c.vocab_size:
+            raise _err("eos_token_ids", f"{t} outside vocab of {c.vocab_size}")
+    if c.vision is not None and c.vision.hidden_size % c.vision.num_heads:
+        raise _err(
+            "vision.hidden_size", f"{c.vision.hidden_size} not divisible by num_heads {c.vision.num_heads}"
+        )
+    return c
+
+
+def model_config_from_dict(d: Any) -> ModelConfig:
+    """Builds a ModelConfig from a ConfigDict or dict with our field names. Unknown keys are an error."""
+    return from_dict(ModelConfig, d, "model config", nested={"vision": VisionConfig})
+
+
+def model_config_to_dict(c: ModelConfig) -> dict[str, Any]:
+    d = dataclasses.asdict(c)
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}

@@ -1,0 +1,1 @@
+"""The per-device memory budget of the real model: parameter inventory, budget, prior-art comparison."""
