@@ -1,4 +1,4 @@
-"""GLM-5.3-Flash as released (zai-org/GLM-5.3-Flash), every value of architecture.md section 1.
+"""GLM-5.3-Flash as released (zai-org/GLM-5.3-Flash), every value of docs/architecture.md §2.
 
 Usage:
   python -m experiments.memory_budget --config=configs/glm53_flash.py

@@ -1,17 +1,17 @@
-"""Dequantization speed per GGUF type (glm53 vs gguf-py vs ggml); see glm53/quant/bench_dequant.py.
+"""Dequantization speed per GGUF type (glm53 vs gguf-py vs ggml); the impls and fields: glm53/benchmarks/dequant.py.
 
 python -m experiments.bench_dequant [--types=IQ2_S,Q4_K] [--rows=4096] [--cols=2048] [--repeats=5]
                                     [--out=bench_dequant.json]
+
+Prints a table (median time, weights/s and speedups vs gguf-py and ggml per type and impl) and writes the JSON list
+of records, the machine record last.
 """
 
 from __future__ import annotations
 
-import json
-import os
-
 from absl import app, flags
 
-from glm53.benchmarks.dequant import format_table, run
+from glm53.benchmarks import dequant, harness
 from glm53.quant.formats import I_QUANTS, K_QUANTS
 
 _TYPES = flags.DEFINE_list("types", list(I_QUANTS + K_QUANTS + ("Q8_0",)), "GGUF types to benchmark.")
@@ -28,15 +28,12 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of the Gaussian test rows.")
 
 def main(argv):
     del argv
-    records = run(
+    records = dequant.run(
         _TYPES.value, _ROWS.value, _COLS.value, _REPEATS.value, _QUANT_ROWS.value, _IMPLS.value, _SEED.value
     )
-    print(format_table(records))
+    print(dequant.format_table(records))
     if _OUT.value:
-        tmp = f"{_OUT.value}.tmp-{os.getpid()}"
-        with open(tmp, "w") as fh:
-            json.dump(records, fh, indent=1)
-        os.replace(tmp, _OUT.value)
+        harness.write_result(_OUT.value, records)
         print(f"wrote {_OUT.value}")
 
 

@@ -5,18 +5,17 @@
 
 Prints one line per (layout, op, tokens, implementation): median time, effective GB/s of the distinct experts'
 weight bytes, and the fraction of a plain device copy's bandwidth; then the decode scaling (time(N) / time(1)
-against U(N) / U(1)) and the notes (skipped implementations). --out writes the full result (machine, backend,
-versions, settings, records with median_s, weight_bytes, gb_per_s, distinct_experts, ratio_vs_reference,
-ratio_vs_dequant_all, ratio_vs_copy; scaling; notes) as JSON. Field meanings: kernels/moe/bench.py.
+against U(N) / U(1)) and the notes (skipped implementations). --out writes the full result (machine, settings,
+records with median_s, weight_bytes, gb_per_s, distinct_experts, ratio_vs_reference, ratio_vs_dequant_all,
+ratio_vs_copy; scaling; notes) as JSON. Field meanings: glm53/benchmarks/kernels.py.
 """
 
 from __future__ import annotations
 
-import json
-
 from absl import app, flags
 from ml_collections import config_flags
 
+from glm53.benchmarks import harness
 from glm53.benchmarks import kernels as bench
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -42,10 +41,9 @@ def main(argv):
               f"{r['target']:7.3f}  {'ok' if r['meets_target'] else 'MISSED'}")  # fmt: skip
     for n in result["notes"]:
         print(f"note: {n}")
+    print(harness.describe(result["machine"]))
     if _OUT.value:
-        with open(_OUT.value, "w") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
+        harness.write_result(_OUT.value, result)
         print(f"wrote {_OUT.value}")
 
 

@@ -13,7 +13,8 @@ the same arguments resumes it. Use the result with ``python -m experiments.score
 
 from absl import app, flags
 
-from glm53.checkpoint import orbax_io
+from glm53.checkpoint import convert
+from glm53.errors import CheckpointError
 
 _HF = flags.DEFINE_string("hf", None, "HF safetensors folder (config.json + weights)", required=True)
 _GGUF = flags.DEFINE_multi_string("gguf", [], "GGUF file with the routed experts (repeat for split shards)")
@@ -28,7 +29,7 @@ _INT8_MIN = flags.DEFINE_integer(
 _LAYOUT = flags.DEFINE_enum("quant_layout", "planes", ["planes", "reencoded"], "quantized expert layout")
 _MTP = flags.DEFINE_bool("mtp", True, "include the MTP block (layer num_hidden_layers)")
 _CHUNK = flags.DEFINE_integer(
-    "chunk_bytes", orbax_io.DEFAULT_CHUNK_BYTES, "Orbax chunk size (sharded-read unit)"
+    "chunk_bytes", convert.DEFAULT_CHUNK_BYTES, "Orbax chunk size (sharded-read unit)"
 )
 
 
@@ -36,13 +37,13 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     try:
-        out = orbax_io.convert(
+        out = convert.convert(
             _HF.value, _OUT.value, gguf=_GGUF.value, dtype=_DTYPE.value, int8=_INT8.value,
             int8_min_size=_INT8_MIN.value, layout=_LAYOUT.value, with_mtp=_MTP.value, chunk_bytes=_CHUNK.value,
         )  # fmt: skip
-    except orbax_io.CheckpointError as e:
+    except CheckpointError as e:
         raise app.UsageError(str(e)) from None
-    print(orbax_io.convert_cli_summary(out))
+    print(convert.convert_cli_summary(out))
 
 
 if __name__ == "__main__":

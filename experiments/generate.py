@@ -5,7 +5,9 @@
   python -m experiments.generate --weights=HF_DIR --prompt="Why is the sky blue?" --chat --max_new=64
   python -m experiments.generate --config=configs/tiny.py --prompt_ids=1,2,3 --speculative   # MTP drafts
 
-Prints the new token ids (and text when a tokenizer is present) and decode tokens/s.
+Prints the new token ids (and text when a tokenizer is present) and decode tokens/s. The model and its caches run
+on the config's device mesh (``--config.mesh.shape=(1,8) --config.mesh.rules=ep``); --weights without --config:
+the default mesh (every device on "model", tensor parallel).
 """
 
 from absl import app, flags, logging
@@ -37,13 +39,11 @@ def main(argv):
         raise app.UsageError("give exactly one of --weights or --config")
     if (_PROMPT.value is None) == (_PROMPT_IDS.value is None):
         raise app.UsageError("give exactly one of --prompt or --prompt_ids")
-    if _WEIGHTS.value:
-        cfg, model = build.load_model(_WEIGHTS.value, dtype=build.parse_dtype(_DTYPE.value))
-        tok = tokenizer.load_tokenizer(_WEIGHTS.value, vocab_size=cfg.vocab_size)
-    else:
-        cfg, model = build.model_from_experiment_config(_CONFIG.value)
-        tok = tokenizer.load_tokenizer(None, vocab_size=cfg.vocab_size)
+    run = build.sharded_model(_CONFIG.value, weights=_WEIGHTS.value, dtype=build.parse_dtype(_DTYPE.value))
+    cfg = run.cfg
+    tok = tokenizer.load_tokenizer(_WEIGHTS.value, vocab_size=cfg.vocab_size)
     logging.info("model config: %s", cfg)
+    print(f"mesh {dict(run.mesh.shape)}, rules {run.rules.name}")
     if _PROMPT_IDS.value is not None:
         try:
             ids = [int(t) for t in _PROMPT_IDS.value]
@@ -58,7 +58,7 @@ def main(argv):
     bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
     if bad:
         raise app.UsageError(f"prompt token ids outside the vocabulary [0, {cfg.vocab_size}): {bad[:5]}")
-    gen = generate.Generator(model)
+    gen = generate.Generator(run.model, mesh=run.mesh, rules=run.rules)
     if _SPEC.value:
         res = gen.generate_speculative(ids, _MAX_NEW.value, eos_ids=cfg.eos_token_ids)
     else:

@@ -7,17 +7,18 @@
 
 tokens.json is a JSON list of token-id lists. OUT.npz holds logits_0, logits_1, ... (float32 [T_i, vocab]) and
 nll (mean next-token NLL per sequence). --config without --weights scores the seeded random model of that config.
+The model runs on the config's device mesh (``--config.mesh.shape=(1,8) --config.mesh.rules=ep``); --weights
+without --config: the default mesh (every device on "model", tensor parallel).
 """
 
 import json
-import os
-import tempfile
 
 import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from glm53 import build, scoring
+from glm53.files import atomic_write
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "experiment config (configs/*.py[:variant])", lock_config=True
@@ -44,20 +45,16 @@ def main(argv):
         isinstance(s, list) and all(isinstance(t, int) for t in s) for s in seqs
     ):
         raise app.UsageError(f"--tokens={_TOKENS.value}: expected a JSON list of lists of integers")
-    if _WEIGHTS.value:
-        cfg, model = build.load_model(
-            _WEIGHTS.value, experts=_EXPERTS.value, dtype=build.parse_dtype(_DTYPE.value)
-        )
-    else:
-        cfg, model = build.model_from_experiment_config(_CONFIG.value)
-    logging.info("model config: %s", cfg)
-    logits, nll = scoring.score(model, seqs)
+    run = build.sharded_model(
+        _CONFIG.value, weights=_WEIGHTS.value, experts=_EXPERTS.value, dtype=build.parse_dtype(_DTYPE.value)
+    )
+    logging.info("model config: %s", run.cfg)
+    print(f"mesh {dict(run.mesh.shape)}, rules {run.rules.name}")
+    logits, nll = scoring.score(run.model, seqs)
     arrays = {f"logits_{i}": lg for i, lg in enumerate(logits)}
     arrays["nll"] = nll
-    out_dir = os.path.dirname(os.path.abspath(_OUT.value))
-    with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".npz", delete=False) as tmp:
-        np.savez(tmp, **arrays)
-    os.replace(tmp.name, _OUT.value)
+    with atomic_write(_OUT.value, "wb") as f:
+        np.savez(f, **arrays)
     for i, v in enumerate(nll):
         print(f"sequence {i}: {len(seqs[i])} tokens, mean NLL {v:.4f}")
     print(f"wrote {_OUT.value}")

@@ -1,14 +1,31 @@
-"""Building models: a seeded random model from a config, or a model restored from weights on disk."""
+"""Building the model an entry point runs: a seeded random model from an experiment config, or a model restored
+from weights on disk, placed on the device mesh of the config's ``mesh`` section (`sharded_model`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
-from glm53.config import ModelConfig, QuantConfig, model_config_from_dict, quant_config_from_dict
+from glm53 import parallel as S
+from glm53.checkpoint import gguf, hf, orbax
+from glm53.config import (
+    MeshConfig,
+    ModelConfig,
+    QuantConfig,
+    mesh_config_from_dict,
+    model_config_from_dict,
+    quant_config_from_dict,
+)
+from glm53.errors import ShardingError
 from glm53.model import Glm53Model
+
+_log = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -32,7 +49,7 @@ def quant_from_experiment_config(config) -> QuantConfig | None:
 
 def model_from_experiment_config(config) -> tuple[ModelConfig, Glm53Model]:
     """From an experiment ConfigDict (``configs/*.py:get_config``): its `model`, `seed`, `param_dtype` and the
-    optional `quant` section (routed-expert formats and the expert kernel)."""
+    optional `quant` section (routed-expert formats and the expert kernel). Unsharded."""
     cfg = model_config_from_dict(config.model)
     quant = quant_from_experiment_config(config)
     return cfg, random_model(cfg, seed=config.seed, dtype=parse_dtype(config.param_dtype), quant=quant)
@@ -41,27 +58,79 @@ def model_from_experiment_config(config) -> tuple[ModelConfig, Glm53Model]:
 def load_model(
     weights: str, *, experts: str | None = None, dtype=jnp.float32, **kw
 ) -> tuple[ModelConfig, Glm53Model]:
-    """A model from weights on disk: an HF safetensors folder (bf16 / fp32 / FP8), a glm53 Orbax checkpoint
-    folder (`experiments.convert`; floats cast to `dtype`) or a complete GGUF file; with `experts` (a GGUF
-    file), the HF folder's non-expert weights and that GGUF's routed experts."""
+    """A model from weights on disk, unsharded: an HF safetensors folder (bf16 / fp32 / FP8), a glm53 Orbax
+    checkpoint folder (`experiments.convert`; floats cast to `dtype`) or a complete GGUF file; with `experts` (a
+    GGUF file), the HF folder's non-expert weights and that GGUF's routed experts."""
     if experts is not None:
         if not os.path.isdir(weights):
             raise ValueError(
                 f"{weights}: with experts={experts!r} the weights must be an HF checkpoint folder"
             )
-        from glm53.checkpoint import gguf
-
         return gguf.load_hybrid(weights, experts, dtype=dtype, **kw)
     if os.path.isdir(weights):
-        from glm53.checkpoint import orbax_io
-
-        if orbax_io.is_checkpoint(weights):  # a glm53 Orbax checkpoint (experiments.convert)
-            return orbax_io.load_checkpoint(weights, dtype=dtype, **kw)
-        from glm53.checkpoint import hf
-
+        if orbax.is_checkpoint(weights):
+            return orbax.load_checkpoint(weights, dtype=dtype, **kw)
         return hf.load_hf_model(weights, dtype=dtype, **kw)
     if os.path.isfile(weights):
-        from glm53.checkpoint import gguf
-
         return gguf.load_gguf_model(weights, dtype=dtype, **kw)
     raise ValueError(f"{weights}: neither a checkpoint folder nor a GGUF file")
+
+
+# ------------------------------------------------------------------------------------------------ on a mesh
+@dataclasses.dataclass(frozen=True)
+class ShardedModel:
+    """A model placed on its device mesh by a rule set: what the entry points run."""
+
+    cfg: ModelConfig
+    model: Glm53Model
+    mesh: Mesh
+    rules: S.Rules
+
+
+def experiment_mesh(config, cfg: ModelConfig) -> tuple[Mesh, S.Rules]:
+    """(mesh, rules) of an experiment config's ``mesh`` section (None or no section: `MeshConfig()`, every
+    device on "model", tensor parallel) for the model `cfg`.
+
+    The default mesh is a preference: a model whose heads / widths do not split over every device runs on one
+    device (logged). Any other mesh is required: ShardingError naming the config field that does not split.
+    """
+    section = config.mesh if config is not None and "mesh" in config else None
+    mesh_cfg = MeshConfig() if section is None else mesh_config_from_dict(section)
+    mesh, rules = S.make_mesh(mesh_cfg), S.get_rules(mesh_cfg.rules)
+    try:
+        S.check_config(cfg, mesh, rules)
+    except ShardingError as e:
+        if mesh_cfg != MeshConfig():
+            raise ShardingError(f"mesh {dict(mesh.shape)} with rules {rules.name!r}: {e}") from None
+        _log.warning("the model does not split over %d devices (%s): running on one device", mesh.size, e)
+        mesh = S.make_mesh(MeshConfig(shape=(1, 1)), jax.devices()[:1])
+    return mesh, rules
+
+
+def sharded_model(
+    config=None, *, weights: str | None = None, experts: str | None = None, dtype=jnp.float32
+) -> ShardedModel:
+    """The model an entry point runs, on the mesh of `config` (`experiment_mesh`).
+
+    Without `weights`: the seeded random model of the experiment config (`model_from_experiment_config`),
+    initialized directly into its shardings. With `weights` (see `load_model`; `dtype` is the parameter dtype):
+    a glm53 Orbax checkpoint is read shard by shard; other weights are loaded, then placed by
+    `glm53.parallel.shard_model`.
+    """
+    if weights is None:
+        cfg = model_config_from_dict(config.model)
+        mesh, rules = experiment_mesh(config, cfg)
+        quant = quant_from_experiment_config(config)
+        dtype = parse_dtype(config.param_dtype)
+        model = S.init_sharded_model(
+            lambda: random_model(cfg, seed=config.seed, dtype=dtype, quant=quant), mesh, rules
+        )
+    elif experts is None and orbax.is_checkpoint(weights):
+        cfg = model_config_from_dict(orbax.read_metadata(weights)["config"])
+        mesh, rules = experiment_mesh(config, cfg)
+        model = orbax.restore_model(weights, mesh, rules, dtype=dtype)
+    else:
+        cfg, model = load_model(weights, experts=experts, dtype=dtype)
+        mesh, rules = experiment_mesh(config, cfg)
+        model = S.shard_model(model, mesh, rules)
+    return ShardedModel(cfg, model, mesh, rules)

@@ -18,12 +18,10 @@ EXPERT = "expert"  # e
 EXPERT_MLP = "expert_mlp"  # routed / shared expert width
 HEADS = "heads"  # MLA query heads
 KV_HEADS = "kv_heads"  # MLA k/v heads (== heads, no GQA)
-HEAD_DIM = "head_dim"  # MLA per-head dims (qk_nope / v)
 Q_LORA = "q_lora"
 KV_LORA = "kv_lora"
 KDA_HEADS = "kda_heads"  # KDA heads (flattened head*dim axes use KDA_QKV)
 KDA_QKV = "kda_qkv"  # linear_num_heads * linear_head_dim
-KDA_HEAD_DIM = "kda_head_dim"
 KDA_RANK = "kda_rank"  # low-rank width of the forget / output gates
 CONV = "conv"  # short-conv taps
 INDEX_HEADS = "index_heads"

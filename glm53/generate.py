@@ -4,6 +4,8 @@ greedy or temperature / top-p / top-k sampling, EOS stops, and MTP speculative d
 The model is split once (`nnx.split`) into a graph definition and a state; every step is a pure jitted function
 of (state, cache, tokens). Streams share one batched cache; each stream has its own length, so streams with
 prompts of different lengths are prefilled one at a time into their rows of the cache and then decoded together.
+A model placed on a mesh (`glm53.parallel.shard_model`) runs sharded; given that mesh and its rules, the
+generator also keeps every cache it makes or returns in the cache shardings (`glm53.parallel.cache_shardings`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from glm53 import parallel as S
 from glm53 import sampling
 from glm53.model import Cache, Glm53Model
 
@@ -66,9 +70,20 @@ def _put_stream(cache: Cache, b: int, sub: Cache) -> Cache:
 
 
 class Generator:
-    """Holds a split model and its jitted steps. Steps donate the cache argument."""
+    """Holds a split model and its jitted steps. Steps donate the cache argument.
 
-    def __init__(self, model: Glm53Model, *, prefill_chunk: int = 256):
+    mesh / rules: the mesh and rule set the model was placed with (None: an unsharded model); caches are then
+    created and kept in their shardings, so a donated cache comes back with the same layout.
+    """
+
+    def __init__(
+        self,
+        model: Glm53Model,
+        *,
+        mesh: Mesh | None = None,
+        rules: str | S.Rules = "tp",
+        prefill_chunk: int = 256,
+    ):
         self.cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
         self.prefill_chunk = prefill_chunk
@@ -76,17 +91,22 @@ class Generator:
 
         gd = self.graphdef
 
+        def place(cache):
+            if mesh is None:
+                return cache
+            return jax.lax.with_sharding_constraint(cache, S.cache_shardings(cache, mesh, rules))
+
         @functools.partial(jax.jit, donate_argnums=(1,))
         def forward(state, cache, tokens):
             m = nnx.merge(gd, state)
             h, cache = m.hidden(tokens, cache=cache)
-            return h, m.logits(h), cache
+            return h, m.logits(h), place(cache)
 
         @functools.partial(jax.jit, donate_argnums=(1,))
         def mtp(state, cache, h, next_tokens):
             m = nnx.merge(gd, state)
             logits, cache = m.mtp_logits(h, next_tokens, cache=cache)
-            return logits, cache
+            return logits, place(cache)
 
         @functools.partial(jax.jit, static_argnames=("top_k",))
         def sample(logits, key, temperature, top_p, top_k):
@@ -94,7 +114,7 @@ class Generator:
 
         self._forward, self._mtp, self._sample = forward, mtp, sample
         self._init_cache = jax.jit(
-            lambda state, batch, max_len: nnx.merge(gd, state).init_cache(batch, max_len),
+            lambda state, batch, max_len: place(nnx.merge(gd, state).init_cache(batch, max_len)),
             static_argnums=(1, 2),
         )
 

@@ -21,6 +21,11 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
 
 class TokenizerError(ValueError):
     """A tokenizer folder or chat template that cannot be used; the message names the file."""
@@ -49,13 +54,6 @@ def glm_chat_text(messages: Sequence[Message], add_generation_prompt: bool = Tru
 
 
 def _jinja_env():
-    try:
-        import jinja2
-        import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError as e:  # pragma: no cover - jinja2 is an install requirement
-        raise TokenizerError("rendering a chat template needs jinja2 (pip install jinja2)") from e
-
     def raise_exception(message):
         raise TokenizerError(f"chat template: {message}")
 
@@ -77,8 +75,6 @@ class HFTokenizer:
     """A `tokenizers.Tokenizer` plus the model's chat template and special tokens."""
 
     def __init__(self, folder: str | os.PathLike):
-        from tokenizers import Tokenizer
-
         self.folder = os.fspath(folder)
         path = os.path.join(self.folder, "tokenizer.json")
         try:
@@ -125,8 +121,6 @@ class HFTokenizer:
         if self.chat_template is None:
             return glm_chat_text(messages, add_generation_prompt)
         if self._compiled is None:
-            import jinja2
-
             try:
                 self._compiled = _jinja_env().from_string(self.chat_template)
             except jinja2.TemplateSyntaxError as e:

@@ -58,7 +58,7 @@ def test_settings_of_every_set_and_bad_settings():
     assert (real.n_experts, real.d_model, real.d_ff, real.top_k) == (288, 4096, 2048, 8)
     assert real.streams == (1, 3, 8, 32, 64) and real.prefill_tokens == (512, 1024, 2048, 4096)
     assert real.experts == {"gate": "IQ2_S", "up": "IQ2_S", "down": "IQ3_S"}
-    assert round(bench.expected_distinct(288, 8, 32), 1) == 171.1  # U(32), performance.md
+    assert round(bench.expected_distinct(288, 8, 32), 1) == 171.1  # U(32), docs/architecture.md §12
     assert bench.Settings.from_config(bench_kernels.get_config("cpu")).layouts == ("planes", "reencoded")
     c = bench_kernels.get_config("tiny")
     c.impls = "reference,fastest"

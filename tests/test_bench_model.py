@@ -44,7 +44,7 @@ def test_json_keys_and_counts(result):
         r = rec[phase]
         assert r["tokens"] == tokens
         for who in ("glm53", "transformers"):
-            assert len(r[who]["times_s"]) == 2 and r[who]["median_s"] > 0
+            assert len(r[who]["samples_s"]) == 2 and r[who]["median_s"] > 0
             assert r[who]["tokens_per_s"] == pytest.approx(tokens / r[who]["median_s"])
         assert r["ratio"] == pytest.approx(r["transformers"]["median_s"] / r["glm53"]["median_s"])
     for line in ("[tiny] prefill", "[tiny] decode", "ratio", "greedy tokens agree"):

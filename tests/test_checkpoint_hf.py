@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
-from glm53.checkpoint import CheckpointError, load_hf_checkpoint
+from glm53.checkpoint import CheckpointError, SafetensorsFile, load_hf_checkpoint
 from glm53.checkpoint.hf_rules import Mapped, classify
 from glm53.config import ModelConfig, as_hf_text_config
 from glm53.model import Glm53Model
@@ -101,7 +101,7 @@ def read_folder(folder) -> dict[str, np.ndarray]:
 
 
 def expected_params(sd: dict[str, np.ndarray], cfg: ModelConfig, mtp: bool = True) -> dict[tuple, np.ndarray]:
-    """Our parameter values from a release-named state dict, stated per parameter (architecture.md section 8)."""
+    """Our parameter values from a release-named state dict, per parameter (docs/architecture.md §10)."""
     e = {("embed", "embedding"): sd[P + "embed_tokens.weight"], ("norm", "weight"): sd[P + "norm.weight"],
          ("lm_head", "kernel"): sd["lm_head.weight"].T}  # fmt: skip
     for i in range(cfg.num_hidden_layers + (1 if mtp else 0)):
@@ -437,11 +437,18 @@ def test_all_problems_in_one_error(tiny, tmp_path):
     t[f"{P}layers.0.self_attn.q_a_proj.weight"] = torch.zeros(48, 64)  # DSA weight in a KDA layer
     convs = [t[f"{P}layers.1.self_attn.{x}_conv1d.weight"] for x in "qkv"]
     t[f"{P}layers.1.self_attn.conv1d.weight"] = torch.cat(convs)  # fused copy of the separate convs
+    cut = {k: t.pop(k) for k in [f"{P}layers.{i}.input_layernorm.weight" for i in range(3)]}
     write_shards(tmp_path, t, 3, {})
-    last = os.path.join(tmp_path, "model-00003-of-00003.safetensors")
-    size = os.path.getsize(last)
+    # A fourth shard, its last tensor cut short.
+    last = os.path.join(tmp_path, "model-cut.safetensors")
+    save_file(cut, last)
+    with open(os.path.join(tmp_path, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    index["weight_map"].update(dict.fromkeys(cut, "model-cut.safetensors"))
+    with open(os.path.join(tmp_path, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
     with open(last, "r+b") as f:
-        f.truncate(size - 1000)
+        f.truncate(os.path.getsize(last) - 100)
     with pytest.raises(CheckpointError) as err:
         load_hf_checkpoint(tmp_path, TINY, dtype=jnp.float32)
     probs = err.value.problems
@@ -456,13 +463,17 @@ def test_all_problems_in_one_error(tiny, tmp_path):
     assert has(f"unexpected: {P}layers.0.self_attn.q_a_proj.weight", "'layers.0.self_attn.q_a_proj.kernel'")
     assert has(f"shape: {P}layers.0.self_attn.q_proj.weight", "(64, 32)", "model expects (64, 32)")
     assert has(f"dtype: {P}layers.2.self_attn.A_log", "unsupported dtype I32")
-    # Only the tensors past the cut are lost (and reported), each with the parameter it would have filled.
-    lost = [p for p in probs if p.startswith("file: ")]
-    assert lost and all(
-        "model-00003-of-00003.safetensors" in p and "truncated" in p and "tensor '" in p for p in lost
+    # The cut shard is rejected whole, as the safetensors library rejects it: one problem names the file and
+    # its first tensor past the cut, and every parameter the shard held is missing.
+    (lost,) = [p for p in probs if p.startswith("file: ")]
+    assert (
+        "model-cut.safetensors" in lost
+        and "truncated" in lost
+        and f"tensor '{P}layers.2.input_layernorm" in lost
     )
-    # missing = the two deleted tensors + the two rejected ones (shape, dtype) + the lost ones.
-    assert sum(p.startswith("missing: ") for p in probs) == len(lost) + 4
+    assert all(has(f"missing: layers.{i}.input_layernorm.weight") for i in range(3))
+    # missing = the two deleted tensors + the two rejected ones (shape, dtype) + the cut shard's.
+    assert sum(p.startswith("missing: ") for p in probs) == len(cut) + 4
     assert (
         sum(has("duplicate: ", f"'layers.1.self_attn.{x}_conv.weight' was already loaded") for x in "qkv")
         == 3
@@ -481,8 +492,6 @@ def test_corrupt_files_name_file_and_tensor(tmp_path):
         "header_too_long": (10**9).to_bytes(8, "little") + raw[8:],
         "tiny": b"abc",
     }
-    from glm53.checkpoint import SafetensorsFile
-
     for name, data in cases.items():
         p = tmp_path / f"{name}.safetensors"
         p.write_bytes(data)
@@ -494,6 +503,44 @@ def test_corrupt_files_name_file_and_tensor(tmp_path):
             )
     with pytest.raises(CheckpointError, match="no \\*.safetensors files"):
         load_hf_checkpoint(good, TINY)
+
+
+def test_safetensors_verdict_is_the_librarys(tmp_path):
+    """Two tensors aliasing the same bytes, or a file cut inside a tensor nobody reads: the safetensors
+    library rejects the file, and so do we (naming the file, and the tensor where there is one)."""
+    import safetensors
+
+    def raw(header: dict, data: bytes) -> bytes:
+        h = json.dumps(header).encode()
+        return len(h).to_bytes(8, "little") + h + data
+
+    f32 = lambda begin: {"dtype": "F32", "shape": [2], "data_offsets": [begin, begin + 8]}
+    data = np.arange(4, dtype=np.float32).tobytes()
+    cases = {
+        "aliased": (raw({"a": f32(0), "b": f32(0)}, data[:8]), "tensor '"),
+        "gap": (raw({"a": f32(0), "b": f32(12)}, data + data[:4]), "tensor 'b'"),
+        "cut_in_unread_tensor": (raw({"a": f32(0), "b": f32(8)}, data[:12]), "tensor 'b'"),
+        "trailing_bytes": (raw({"a": f32(0), "b": f32(8)}, data + b"\0"), "not a valid safetensors file"),
+    }
+    for name, (content, names) in cases.items():
+        p = tmp_path / f"{name}.safetensors"
+        p.write_bytes(content)
+        with pytest.raises(safetensors.SafetensorError):
+            safe_open(str(p), framework="numpy")
+        with pytest.raises(CheckpointError, match=str(p)) as err:
+            SafetensorsFile(p)
+        assert names in str(err.value), str(err.value)
+    # The same tensors, well formed (in any header order): read as the library reads them, bf16 and fp8 too.
+    p = tmp_path / "ok.safetensors"
+    bf16 = {"dtype": "BF16", "shape": [2], "data_offsets": [16, 20]}
+    fp8 = {"dtype": "F8_E4M3", "shape": [1], "data_offsets": [20, 21]}
+    p.write_bytes(raw({"b": f32(8), "a": f32(0), "h": bf16, "q": fp8}, data + data[:5]))
+    f = SafetensorsFile(p)
+    lib = dict(safetensors.deserialize(p.read_bytes()))
+    for k in "abhq":
+        got = f.read(k)
+        assert got.dtype.name == {"a": "float32", "b": "float32", "h": "bfloat16", "q": "float8_e4m3fn"}[k]
+        assert got.tobytes() == bytes(lib[k]["data"]) and list(got.shape) == lib[k]["shape"]
 
 
 # ------------------------------------------------------------------------------------------------ int8

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import logging
 import os
 
 import ml_collections
@@ -85,11 +86,28 @@ def _tiny(**kw):
         (dict(indexer_types=["full"] * 3 + ["shared"] + ["full"] * 2), "indexer_types"),
         (dict(eos_token_ids=[1000]), "eos_token_ids"),
         (dict(vision=dict(depth=1, bad=2)), "bad"),
+        (dict(rms_norm_eps="1e-5"), "rms_norm_eps"),
+        (dict(hidden_size=64.0), "hidden_size"),
+        (dict(hidden_size=True), "hidden_size"),
+        (dict(index_topk=[8]), "index_topk"),
+        (dict(norm_topk_prob=1), "norm_topk_prob"),
+        (dict(eos_token_ids=[0, True]), "eos_token_ids"),
+        (dict(pad_token_id=128), "pad_token_id"),
+        (dict(n_group=0), "n_group"),
+        (dict(swiglu_limit=float("inf")), "swiglu_limit"),
+        (dict(layer_types="kdakda"), "layer_types"),
+        (dict(vision=dict(depth=1.5)), "vision.depth"),
     ],
 )
 def test_rejects_bad_values(override, field):
     with pytest.raises(ConfigError, match=field):
         model_config_from_dict(_tiny(**override))
+
+
+def test_no_pad_no_eos_and_int_floats():
+    c = model_config_from_dict(_tiny(pad_token_id=None, eos_token_ids=[], swiglu_limit=2))
+    assert c.pad_token_id is None and c.eos_token_ids == () and c.swiglu_limit == 2.0
+    assert isinstance(c.swiglu_limit, float)
 
 
 def test_replace_revalidates():
@@ -185,3 +203,143 @@ def test_load_hf_config_errors_name_the_file(tmp_path):
         load_hf_config(tmp_path)
     with pytest.raises(ConfigError, match="no such config file"):
         load_hf_config(tmp_path / "missing")
+
+
+# ---------------------------------------------------------------------- HF config: nulls, defaults, types
+def _tiny_hf(**kw) -> dict:
+    """The text config.json transformers writes for the tiny parity model, with `kw` set (None = null)."""
+    d = _hf_text_config(model_config_from_dict(tiny.get_config("parity").model)).to_dict()
+    d.update(kw)
+    return d
+
+
+def _hf_records(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "glm53.config.hf"]
+
+
+def test_hf_null_pad_and_eos_mean_none(tmp_path, caplog):
+    """transformers writes null pad / eos for a model built without token ids, and loads that folder."""
+    from transformers import AutoConfig
+
+    _hf_text_config(model_config_from_dict(_tiny(pad_token_id=None, eos_token_ids=[]))).save_pretrained(
+        tmp_path
+    )
+    raw = json.load(open(tmp_path / "config.json"))
+    raw["eos_token_id"] = None
+    json.dump(raw, open(tmp_path / "config.json", "w"))
+    assert raw["pad_token_id"] is None and AutoConfig.from_pretrained(tmp_path).pad_token_id is None
+    with caplog.at_level(logging.INFO, logger="glm53.config.hf"):
+        c = load_hf_config(tmp_path)
+    assert c.pad_token_id is None and c.eos_token_ids == () and c.vocab_size == 128
+    assert any("eos_token_id=[]" in m and "generation stops at its limit" in m for m in _hf_records(caplog))
+    # eos ids come from generation_config.json, else from the tokenizer's eos_token.
+    tok = {"added_tokens": [{"id": 5, "content": "<|endoftext|>"}], "model": {"vocab": {"a": 7}}}
+    json.dump(tok, open(tmp_path / "tokenizer.json", "w"))
+    json.dump({"eos_token": {"content": "<|endoftext|>"}}, open(tmp_path / "tokenizer_config.json", "w"))
+    assert load_hf_config(tmp_path).eos_token_ids == (5,)
+    json.dump({"eos_token_id": [3, 4]}, open(tmp_path / "generation_config.json", "w"))
+    assert load_hf_config(tmp_path).eos_token_ids == (3, 4)
+    # The file's own ids win.
+    json.dump({**raw, "eos_token_id": 2}, open(tmp_path / "config.json", "w"))
+    assert load_hf_config(tmp_path).eos_token_ids == (2,)
+
+
+@pytest.mark.parametrize("key", ["index_topk", "hidden_size", "rms_norm_eps", "n_routed_experts"])
+def test_hf_missing_key_takes_transformers_default_and_says_so(key, caplog):
+    from transformers import Glm5NextTextConfig
+
+    d = _tiny_hf()
+    del d[key]
+    want = getattr(Glm5NextTextConfig(), key)
+    with caplog.at_level(logging.INFO, logger="glm53.config.hf"):
+        try:
+            got = getattr(model_config_from_hf(d), key)
+        except ConfigError as e:  # the default does not fit the tiny model: the error says it was defaulted
+            assert f"{key}={want!r}" in str(e)
+            return
+    assert got == want
+    (line,) = _hf_records(caplog)
+    assert f"{key}={want!r}" in line and "transformers' defaults" in line
+
+
+def test_hf_defaults_are_transformers_class_defaults():
+    from transformers import Glm5NextTextConfig, Glm5NextVisionConfig
+
+    from glm53.config.hf import _TEXT_DEFAULTS, _VISION_DEFAULTS
+
+    text, vision = Glm5NextTextConfig(), Glm5NextVisionConfig()
+    assert {k: getattr(text, k) for k in _TEXT_DEFAULTS if k != "num_nextn_predict_layers"} == {
+        k: v for k, v in _TEXT_DEFAULTS.items() if k != "num_nextn_predict_layers"
+    }
+    assert not hasattr(text, "num_nextn_predict_layers") and _TEXT_DEFAULTS["num_nextn_predict_layers"] == 0
+    assert {k: getattr(vision, k) for k in _VISION_DEFAULTS} == _VISION_DEFAULTS
+    assert text.index_kpool == 16  # and ours stays 4 (test_hf_kpool_default_is_four_not_sixteen)
+
+
+def test_hf_missing_schedules_follow_transformers(caplog):
+    from transformers import Glm5NextTextConfig
+
+    d = _tiny_hf()
+    for k in (
+        "layer_types",
+        "mlp_layer_types",
+        "indexer_types",
+        "linear_attn_config",
+        "first_k_dense_replace",
+    ):
+        del d[k]
+    d.update(num_hidden_layers=10, index_topk_freq=3, index_skip_topk_offset=4)
+    ref = Glm5NextTextConfig(**d)
+    with caplog.at_level(logging.INFO, logger="glm53.config.hf"):
+        c = model_config_from_hf(d)
+    assert c.layer_types == tuple("dsa" if t == "indexed_attention" else "kda" for t in ref.layer_types)
+    assert c.mlp_layer_types == tuple("moe" if t == "sparse" else "dense" for t in ref.mlp_layer_types)
+    assert c.indexer_types == tuple(ref.indexer_types) and "shared" in c.indexer_types
+    (line,) = _hf_records(caplog)
+    assert all(
+        f"{k}=<its schedule for 10 layers>" in line
+        for k in ("layer_types", "mlp_layer_types", "indexer_types")
+    )
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(rms_norm_eps="1e-5"), "rms_norm_eps"),
+        (dict(hidden_size=64.0), "hidden_size"),
+        (dict(num_attention_heads=True), "num_attention_heads"),
+        (dict(index_topk=[8]), "index_topk"),
+        (dict(hidden_size=None), "hidden_size"),
+        (dict(pad_token_id=True), "pad_token_id"),
+        (dict(pad_token_id=-1), "pad_token_id"),
+        (dict(eos_token_id=[0, True]), "eos_token_ids"),
+        (dict(eos_token_id="0"), "eos_token_ids"),
+        (dict(layer_types="linear_attention"), "layer_types"),
+        (dict(layer_types=[["linear_attention"]] * 8), "layer_types"),
+        (dict(linear_attn_config=[1]), "linear_attn_config"),
+        (dict(linear_lower_bound=None, linear_attn_config=None), "linear_lower_bound"),
+        (dict(num_key_value_heads=4), "num_key_value_heads"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(qk_rope_head_dim=False), "qk_rope_head_dim"),
+        (dict(first_k_dense_replace=1), "first_k_dense_replace"),
+        (dict(first_k_dense_replace=2**40), "first_k_dense_replace"),
+        (dict(num_hidden_layers=2**40), "num_hidden_layers"),
+        (dict(linear_attn_config=dict(kda_layers=[0, 1, 2])), "linear_attn_config.kda_layers"),
+        (dict(text_config=7, model_type="glm5_next"), "text_config"),
+    ],
+)
+def test_hf_wrong_values_name_the_key(kw, field):
+    with pytest.raises(ConfigError, match=f"'{field}'"):
+        model_config_from_hf(_tiny_hf(**kw))
+
+
+def test_hf_kpool_rule_is_logged(caplog):
+    d = _tiny_hf()
+    del d["index_kpool"]
+    with caplog.at_level(logging.INFO, logger="glm53.config.hf"):
+        assert model_config_from_hf(d).index_kpool == 4
+        assert model_config_from_hf(d, index_kpool=2).index_kpool == 2
+    first, second = _hf_records(caplog)
+    assert "index_kpool=4 (the release's; transformers' class default is 16)" in first
+    assert "index_kpool=2 (the argument)" in second

@@ -26,7 +26,8 @@ from configs import tiny
 from glm53 import parallel as S
 from glm53.checkpoint import gguf as gguf_ckpt
 from glm53.checkpoint import gguf_export as gguf_write
-from glm53.checkpoint import orbax_io
+from glm53.checkpoint import orbax as orbax_ckpt
+from glm53.checkpoint.convert import ConversionInterrupted, convert, convert_cli_summary
 from glm53.config import QuantConfig, model_config_from_dict
 from glm53.errors import CheckpointError
 from glm53.layers.param import path_str
@@ -50,7 +51,7 @@ def world(tmp_path_factory):
     f32, q = str(d / "f32.gguf"), str(d / "experts.gguf")
     gguf_write.convert_hf_to_gguf(hf, f32)
     gguf_write.quantize_experts(f32, q, MIX)
-    ckpt = orbax_io.convert(hf, str(d / "ckpt"), gguf=[q], **KW)
+    ckpt = convert(hf, str(d / "ckpt"), gguf=[q], **KW)
     quant = QuantConfig(experts=MIX)
     _, ref = gguf_ckpt.load_hybrid(hf, q, dtype=jnp.float32, quant=quant, int8=True, int8_min_size=INT8_MIN)
     return dict(dir=d, hf=hf, gguf=q, ckpt=ckpt, ref=ref)
@@ -84,7 +85,7 @@ def rel(a, b) -> float:
 
 
 def test_checkpoint_layout_and_manifest(world):
-    meta = orbax_io.read_metadata(world["ckpt"])
+    meta = orbax_ckpt.read_metadata(world["ckpt"])
     kinds = {e["path"]: e["kind"] for e in meta["manifest"]}
     ref = param_values(world["ref"])
     assert set(kinds) == set(ref)
@@ -101,14 +102,14 @@ def test_checkpoint_layout_and_manifest(world):
     assert {e["format"] for e in q} == {"Q8_0", "Q4_0"} and all(e["block_splits"] == 1 for e in q)
     assert sum(k == "int8" for k in kinds.values()) >= 10
     assert meta["quant"]["experts"] == {"gate": "Q8_0", "up": "Q4_0", "down": "Q8_0"}
-    assert os.path.exists(os.path.join(world["ckpt"], orbax_io.COMPLETE))
-    assert not os.path.exists(world["ckpt"] + orbax_io.PARTIAL_SUFFIX)
+    assert os.path.exists(os.path.join(world["ckpt"], orbax_ckpt.COMPLETE))
+    assert not os.path.exists(world["ckpt"] + orbax_ckpt.PARTIAL_SUFFIX)
     assert meta["units"][:3] == ["embed", "layers.0", "layers.1"] and "layers.3.experts" in meta["units"]
-    print(f"\n{orbax_io.convert_cli_summary(world['ckpt'])}")
+    print(f"\n{convert_cli_summary(world['ckpt'])}")
 
 
 def test_restore_unsharded_equals_hybrid_loader(world):
-    model = orbax_io.restore_model(world["ckpt"])
+    model = orbax_ckpt.restore_model(world["ckpt"])
     got, want = flat_leaves(model), flat_leaves(world["ref"])
     assert got.keys() == want.keys()
     for k in want:
@@ -123,7 +124,7 @@ def _read_amplification(ckpt: str, model) -> tuple[float, int]:
     """(bytes of the stored chunks that overlap each device's shard, summed over devices) / (bytes of the
     shards), over every stored leaf except the re-paired 2-byte planes (1.0: each device reads exactly its
     shard), and the same ratio if every device read whole tensors; and the number of leaves."""
-    meta = orbax_io.read_metadata(ckpt)
+    meta = orbax_ckpt.read_metadata(ckpt)
     leaves = {
         _key_path(jax.tree_util.keystr(p)): x
         for p, x in jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
@@ -154,7 +155,7 @@ def _key_path(keystr: str) -> str:
 
 def test_restore_sharded_equals_sharded_hybrid_loader(world):
     mesh = S.make_mesh(dict(axes=("data", "model"), shape=(2, 4), rules="tp"))
-    model = orbax_io.restore_model(world["ckpt"], mesh, "tp")
+    model = orbax_ckpt.restore_model(world["ckpt"], mesh, "tp")
     ref = S.shard_model(world["ref"], mesh, "tp")
     got, want = flat_leaves(model), flat_leaves(ref)
     assert got.keys() == want.keys()
@@ -177,9 +178,9 @@ def test_restore_sharded_equals_sharded_hybrid_loader(world):
 
 def test_interrupted_conversion_resumes_to_the_same_checkpoint(world, tmp_path):
     out = str(tmp_path / "ckpt")
-    partial = out + orbax_io.PARTIAL_SUFFIX
-    with pytest.raises(orbax_io.ConversionInterrupted):
-        orbax_io.convert(world["hf"], out, gguf=[world["gguf"]], interrupt_after=5, **KW)
+    partial = out + orbax_ckpt.PARTIAL_SUFFIX
+    with pytest.raises(ConversionInterrupted):
+        convert(world["hf"], out, gguf=[world["gguf"]], interrupt_after=5, **KW)
     assert not os.path.exists(out)
     done = sorted(u for u in os.listdir(os.path.join(partial, "units")) if not u.startswith("."))
     # 3 units of GGUF experts, then 2 from the HF folder (interrupted inside the HF loader)
@@ -187,40 +188,40 @@ def test_interrupted_conversion_resumes_to_the_same_checkpoint(world, tmp_path):
     inodes = {u: os.stat(os.path.join(partial, "units", u)).st_ino for u in done}
     for bad in (partial, out):
         with pytest.raises(CheckpointError, match="incomplete|not a checkpoint") as e:
-            orbax_io.restore_model(bad)
+            orbax_ckpt.restore_model(bad)
         assert bad in str(e.value)
     with pytest.raises(CheckpointError, match="different arguments \\(dtype\\)") as e:
-        orbax_io.convert(world["hf"], out, gguf=[world["gguf"]], **{**KW, "dtype": "bf16"})
+        convert(world["hf"], out, gguf=[world["gguf"]], **{**KW, "dtype": "bf16"})
     assert partial in str(e.value)
     # A crash in the middle of a unit leaves a staging directory: the rerun discards it.
     os.makedirs(os.path.join(partial, "units", ".layers.4.staging", "arrays"))
-    orbax_io.convert(world["hf"], out, gguf=[world["gguf"]], **KW)
+    convert(world["hf"], out, gguf=[world["gguf"]], **KW)
     assert not os.path.exists(partial)
     assert {u: os.stat(os.path.join(out, "units", u)).st_ino for u in done} == inodes  # not rewritten
-    a, b = orbax_io.read_metadata(out), orbax_io.read_metadata(world["ckpt"])
+    a, b = orbax_ckpt.read_metadata(out), orbax_ckpt.read_metadata(world["ckpt"])
     assert a["manifest"] == b["manifest"] and a["units"] == b["units"]
-    got, want = flat_leaves(orbax_io.restore_model(out)), flat_leaves(world["ref"])
+    got, want = flat_leaves(orbax_ckpt.restore_model(out)), flat_leaves(world["ref"])
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
 def test_bad_checkpoints_raise_naming_the_directory(world, tmp_path):
     with pytest.raises(CheckpointError, match="already exists"):
-        orbax_io.convert(world["hf"], world["ckpt"], gguf=[world["gguf"]], **KW)
+        convert(world["hf"], world["ckpt"], gguf=[world["gguf"]], **KW)
 
     def broken(name, damage):
         d = str(tmp_path / name)
         shutil.copytree(world["ckpt"], d)
         damage(d)
         with pytest.raises(CheckpointError) as e:
-            orbax_io.restore_model(d)
+            orbax_ckpt.restore_model(d)
         assert d in str(e.value), str(e.value)
         return str(e.value)
 
-    msg = broken("no_marker", lambda d: os.remove(os.path.join(d, orbax_io.COMPLETE)))
+    msg = broken("no_marker", lambda d: os.remove(os.path.join(d, orbax_ckpt.COMPLETE)))
     assert "incomplete" in msg
     msg = broken(
-        "bad_json", lambda d: open(os.path.join(d, orbax_io.META), "w").write('{"format": "glm53-or')
+        "bad_json", lambda d: open(os.path.join(d, orbax_ckpt.META), "w").write('{"format": "glm53-or')
     )
     assert "corrupted" in msg
 
@@ -236,7 +237,7 @@ def test_bad_checkpoints_raise_naming_the_directory(world, tmp_path):
     assert "layers.0" in msg
 
     def wrong_shape(d):
-        p = os.path.join(d, orbax_io.META)
+        p = os.path.join(d, orbax_ckpt.META)
         meta = json.load(open(p))
         meta["config"]["vocab_size"] *= 2
         json.dump(meta, open(p, "w"))
@@ -260,7 +261,7 @@ def test_convert_and_score_cli(world, tmp_path):
     bar = [line for line in p.stderr.replace("\r", "\n").splitlines() if "12/12" in line]
     print(f"\n{p.stdout.strip()}\n{bar[-1] if bar else ''}")
     assert f"{ckpt}: 12 units" in p.stdout and "12/12" in p.stderr  # summary line; tqdm bar on stderr
-    meta = orbax_io.read_metadata(ckpt)
+    meta = orbax_ckpt.read_metadata(ckpt)
     assert meta["quant"] is None and meta["dtype"] == "bfloat16"
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps(TOKENS.tolist()))
@@ -288,10 +289,8 @@ def test_ud_mix_reencoded_layout_round_trip(tmp_path):
     f32, q = str(tmp_path / "f32.gguf"), str(tmp_path / "ud.gguf")
     gguf_write.convert_hf_to_gguf(hf, f32)
     gguf_write.quantize_experts(f32, q, "UD-IQ3_XXS")
-    ckpt = orbax_io.convert(
-        hf, str(tmp_path / "ckpt"), gguf=[q], dtype="bf16", layout="reencoded", progress=False
-    )
-    meta = orbax_io.read_metadata(ckpt)
+    ckpt = convert(hf, str(tmp_path / "ckpt"), gguf=[q], dtype="bf16", layout="reencoded", progress=False)
+    meta = orbax_ckpt.read_metadata(ckpt)
     assert meta["quant"]["experts"] == "ud_iq3_xxs" and meta["quant"]["layout"] == "reencoded"
     kinds = {e["path"]: (e["kind"], e.get("planes_format")) for e in meta["manifest"]}
     assert kinds["mtp.mlp.experts.gate_proj"] == ("array", None)
@@ -300,7 +299,7 @@ def test_ud_mix_reencoded_layout_round_trip(tmp_path):
     _, ref = gguf_ckpt.load_hybrid(
         hf, q, dtype=jnp.bfloat16, quant=QuantConfig(experts="ud_iq3_xxs", layout="reencoded")
     )
-    got, want = flat_leaves(orbax_io.restore_model(ckpt)), flat_leaves(ref)
+    got, want = flat_leaves(orbax_ckpt.restore_model(ckpt)), flat_leaves(ref)
     assert got.keys() == want.keys()
     for k in want:
         assert got[k].dtype == want[k].dtype, k

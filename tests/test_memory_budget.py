@@ -1,8 +1,8 @@
-"""Memory budget (glm53/memory.py, glm53/param_inventory.py, experiments/memory_budget.py).
+"""Memory budget (glm53/memory/, experiments/memory_budget.py).
 
-References: transformers' Glm5Next modules built on the meta device (parameter counts, vision formula), the
-real Glm53Model module tree built with nnx.eval_shape (inventory, cache pytrees), gguf-py's block sizes (GGUF
-bytes), hand formulas from the shapes (per-class bytes), and the audit article's printed figures.
+References: transformers' Glm5Next modules built on the meta device (inventory paths and shapes, parameter counts,
+vision formula), the real Glm53Model module tree built with nnx.eval_shape (cache pytrees), gguf-py's block sizes
+(GGUF bytes), hand formulas from the shapes (per-class bytes), and the audit article's printed figures.
 """
 
 import dataclasses
@@ -15,6 +15,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -22,10 +23,13 @@ from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextVisionConfig
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
 
+from glm53.checkpoint.hf_rules import Mapped, classify
 from glm53.config import ModelConfig, VisionConfig, as_hf_text_config, model_config_from_dict
+from glm53.layers.param import path_str
 from glm53.memory import budget as memory
-from glm53.memory.inventory import model_param_inventory, param_counts, param_inventory, vision_inventory
-from glm53.quant import budget as qbudget
+from glm53.memory.caches import CacheLayout, context_set_bytes
+from glm53.memory.inventory import param_counts, param_inventory, vision_inventory
+from glm53.quant.mixes import UD_IQ3_XXS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = 1e9
@@ -76,17 +80,24 @@ def budget(cfg):
     )
 
 
-@pytest.fixture(scope="module")
-def hf_state(cfg):
-    """transformers' Glm5NextForConditionalGeneration, release config, on the meta device: {name: numel}."""
-    text = as_hf_text_config(cfg)
-    text["index_kpool"] = cfg.index_kpool
+def _hf_meta_state(c: ModelConfig) -> dict:
+    """transformers' Glm5NextForConditionalGeneration of `c` on the meta device: {name: shape}."""
+    text = as_hf_text_config(c)
+    text["index_kpool"] = c.index_kpool
     hc = Glm5NextConfig(
-        text_config=text, vision_config=dataclasses.asdict(cfg.vision), tie_word_embeddings=False
+        text_config=text,
+        vision_config=dataclasses.asdict(c.vision or VisionConfig()),
+        tie_word_embeddings=False,
     )
     with torch.device("meta"):
         model = Glm5NextForConditionalGeneration(hc)
-    return {k: v.numel() for k, v in model.state_dict().items()}
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def hf_state(cfg):
+    """transformers' Glm5NextForConditionalGeneration, release config, on the meta device: {name: numel}."""
+    return {k: math.prod(s) for k, s in _hf_meta_state(cfg).items()}
 
 
 # ------------------------------------------------------------------------------------------------ parameters
@@ -102,7 +113,7 @@ def test_param_counts_match_the_article(cfg):
         == c["text_trunk_params"] + c["lm_head_params"] + c["mtp_params"] + c["vision_params"]
     )
     assert c["non_expert_params"] == c["text_trunk_params"] + c["lm_head_params"] - c["routed_expert_params"]
-    assert round(c["active_params_per_token_excl_embedding"] / 1e9, 2) == 16.74  # architecture.md
+    assert round(c["active_params_per_token_excl_embedding"] / 1e9, 2) == 16.74  # docs/architecture.md §12
 
 
 def test_param_counts_match_transformers_meta_model(cfg, hf_state):
@@ -121,14 +132,24 @@ def test_param_counts_match_transformers_meta_model(cfg, hf_state):
 
 
 @pytest.mark.parametrize("which", ["release", "tiny"])
-def test_arithmetic_inventory_matches_module_tree(cfg, which):
-    """Every path, shape and logical axis of the nnx.eval_shape'd Glm53Model equals the config arithmetic
-    (tiny: with a shared-indexer DSA layer, which holds no indexer)."""
+def test_inventory_matches_transformers_tensors(cfg, which):
+    """Every path and shape of the nnx.eval_shape'd Glm53Model (MTP aside) equals transformers' text tensors
+    brought into our layout by the checkpoint's name map (tiny: with a shared-indexer DSA layer, which holds no
+    indexer); every parameter names one logical axis per dimension."""
     c = cfg if which == "release" else TINY
-    tree = model_param_inventory(c)
-    assert tree == param_inventory(c)
+    tree = param_inventory(c, with_mtp=False)
+    ours = {}
+    for key, shape in _hf_meta_state(c).items():
+        m = classify(key, c.num_hidden_layers, 0)
+        if not isinstance(m, Mapped):
+            continue  # the vision tower
+        for p in m.apply(np.broadcast_to(np.float32(0), shape)):
+            assert p.expert is None, key  # transformers' in-memory layout stacks the experts
+            ours[path_str(p.path)] = tuple(p.value.shape)
+    assert {t.path: t.shape for t in tree} == ours
+    assert all(len(t.axes) == len(t.shape) for t in param_inventory(c))
     if which == "release":
-        assert sum(t.size for t in tree) == 321_323_031_390 - 563_627_008
+        assert sum(t.size for t in param_inventory(c)) == 321_323_031_390 - 563_627_008
 
 
 def _vision_hf(v: VisionConfig) -> dict:
@@ -168,7 +189,7 @@ def test_vision_formula_matches_transformers(v):
 def test_routed_expert_bytes(budget):
     # GGUF bytes from gguf-py's (block size, type size) per format, independent of glm53.quant.
     ref = 0
-    for fmt in qbudget.UD_IQ3_XXS.values():
+    for fmt in UD_IQ3_XXS.values():
         bs, ts = GGML_QUANT_SIZES[GGMLQuantizationType[fmt]]
         ref += 288 * 4096 * 2048 // bs * ts
     assert budget["routed_gguf_bytes"] == ref
@@ -228,8 +249,8 @@ def test_context_set_matches_the_model_cache_pytree(cfg, which, context):
     """On one device, the 'full' bf16 layout is exactly the bytes of Glm53Model.init_cache (the length vector
     aside)."""
     c = cfg if which == "release" else TINY
-    lay = memory.CacheLayout(latent="bf16", indexer="full", index_dtype="bf16", conv_dtype="bf16")
-    ours = sum(memory.context_set_bytes(c, context, 1, lay).values())
+    lay = CacheLayout(latent="bf16", indexer="full", index_dtype="bf16", conv_dtype="bf16")
+    ours = sum(context_set_bytes(c, context, 1, lay).values())
     assert ours == _cache_bytes(c, context, jnp.bfloat16)
 
 
@@ -241,7 +262,7 @@ def test_context_set_per_device_reproduces_prior_art(cfg, budget):
     assert ctx["indexer_pooled_keys"] == 11 * (262144 // 4 // 8) * 128 * 2
     # Sharding: one device holds 1/8 of the one-device figure (all dimensions divide evenly here), except
     # the open pool's keys/gates (4 tokens x (key + gate) x 128 x bf16 x 11 layers) that every device keeps.
-    one = sum(memory.context_set_bytes(cfg, 262144, 1).values())
+    one = sum(context_set_bytes(cfg, 262144, 1).values())
     open_pool = 11 * 4 * 2 * 128 * 2
     assert ctx["indexer_keys_gates"] == open_pool
     assert one // 8 + open_pool * 7 // 8 == budget["context_set_bytes_per_device"]
@@ -301,7 +322,7 @@ def test_errors_name_the_field():
     with pytest.raises(ValueError, match="block size"):
         memory.memory_budget(TINY, "q4_k", devices=2)
     with pytest.raises(ValueError, match="latent"):
-        memory.CacheLayout(latent="fp4")
+        CacheLayout(latent="fp4")
 
 
 def test_tiny_config_budget_has_no_article_comparison():

@@ -62,7 +62,7 @@ def ours_from_torch(hc_t, dtype=jnp.float32) -> HyperConnection:
 
 
 def np_sinkhorn(logits, hc_eps, iters):
-    """f64 numpy version of architecture.md section 4's comb projection."""
+    """f64 numpy version of the comb projection of docs/architecture.md §5."""
     z = logits - logits.max(-1, keepdims=True)
     c = np.exp(z) / np.exp(z).sum(-1, keepdims=True) + hc_eps
     c = c / (c.sum(-2, keepdims=True) + hc_eps)

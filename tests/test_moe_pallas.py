@@ -1,4 +1,5 @@
-"""Pallas TPU routed-expert kernels (kernels.moe.pallas_tpu) on quantized planes, in interpret mode on CPU.
+"""Pallas TPU routed-expert kernels (kernels.moe.pallas_tpu_decode / _prefill) on quantized planes, in
+interpret mode on CPU.
 
 Oracle: the GGUF bytes dequantized by gguf-py (`gguf.quants.dequantize`, independent of glm53's decoders; the
 re-encoded layouts are lossless, so their oracle is the source IQ2_S / IQ3_S bytes) and the routed MoE
@@ -21,8 +22,12 @@ from jax.experimental.pallas import tpu as pltpu
 from glm53.quant import planes as P
 from glm53.quant import reencode as R
 from glm53.quant.formats import get_format
+from glm53.quant.qweight import QuantizedExperts
+from kernels.moe import api
 from kernels.moe import pallas_common as C
 from kernels.moe import pallas_tpu as K
+from kernels.moe import pallas_tpu_decode as KD
+from kernels.moe import pallas_tpu_prefill as KP
 
 LIMIT = 1.0  # SwiGLU clamp: small enough that a good share of gate / up values are clamped
 # f16 `d` magnitudes that give weights of about 0.05 (activations stay O(1) through both layers)
@@ -147,9 +152,9 @@ def _jitted(path: str, name: str):
     """The jitted path (lane tile 128, row tile 8, traced) for a case's shapes; reused for other routings."""
     del name  # one compiled program per case (shapes)
     if path == "decode":
-        fn = lambda x, i, w, g, u, dn: K._decode_impl(x, i, w, g, u, dn, LIMIT, 128, _INTERPRET, True)
+        fn = lambda x, i, w, g, u, dn: KD._decode_impl(x, i, w, g, u, dn, LIMIT, 128, _INTERPRET, True)
     else:
-        fn = lambda x, i, w, g, u, dn: K._prefill_impl(x, i, w, g, u, dn, LIMIT, 8, 128, _INTERPRET, True)
+        fn = lambda x, i, w, g, u, dn: KP._prefill_impl(x, i, w, g, u, dn, LIMIT, 8, 128, _INTERPRET, True)
     return jax.jit(fn, compiler_options=_FAST_COMPILE)
 
 
@@ -245,7 +250,7 @@ def test_prefill_bf16_activations():
     c = case_data("iq3r_bf16_iq4_T8")
     x = jnp.asarray(c["x"], jnp.bfloat16)
     y = jax.jit(
-        lambda x, i, w, g, u, d: K.moe_prefill(
+        lambda x, i, w, g, u, d: KP.moe_prefill(
             x, i, w, g, u, d, LIMIT, row_tile=16, lane_tile=128, interpret=_INTERPRET
         ),
         compiler_options=_FAST_COMPILE,
@@ -283,7 +288,7 @@ def test_decode_fetches_each_distinct_expert_once(name):
     if ids.shape[0] > 1:
         assert nv < int((ids < e).sum())  # the routing overlaps: a per-slot kernel would fetch more
     u_max = len(tr["uids"])
-    gu_map, dn_map = K._decode_maps(f // 128)[0], K._decode_maps(d // 128)[2]
+    gu_map, dn_map = KD._decode_maps(f // 128)[0], KD._decode_maps(d // 128)[2]
     for trace, wmap, grid, n_j in (
         (tr["gate_up"], gu_map, (u_max, f // 128), f // 128),
         (tr["down"], dn_map, (d // 128, u_max), d // 128),
@@ -307,7 +312,7 @@ def test_prefill_decodes_each_expert_tile_once():
                 assert sorted(row[row >= 0].tolist()) == distinct
         nvt = int(tr["n_tiles"][0])
         assert nvt > len(distinct) or name != "f32_f16_iq3s_T32"  # some expert spans several tiles
-        w_map, _, _ = K._prefill_maps()
+        w_map, _, _ = KP._prefill_maps()
         nt = len(tr["tile_expert"])
         fetched = _fetches(w_map, (2, nt), jnp.asarray(tr["tile_expert"]), jnp.asarray(tr["n_tiles"]))
         assert len(fetched) == 2 * len(distinct)
@@ -362,9 +367,9 @@ def test_lowers_for_tpu_and_counts_gathers(name, path):
     for dtype in (np.float32, jnp.bfloat16) if name in ("ud_mix_T1", "iq4_q4k_iq2s_T3") else (np.float32,):
         x = np.zeros(c["x"].shape, dtype)
         if path == "decode":
-            fn = lambda x, i, w, g, u, d: K.moe_decode(x, i, w, g, u, d, LIMIT)
+            fn = lambda x, i, w, g, u, d: KD.moe_decode(x, i, w, g, u, d, LIMIT)
         else:
-            fn = lambda x, i, w, g, u, d: K.moe_prefill(x, i, w, g, u, d, LIMIT, row_tile=128)
+            fn = lambda x, i, w, g, u, d: KP.moe_prefill(x, i, w, g, u, d, LIMIT, row_tile=128)
         ops = _mosaic_ops(_export_tpu(fn, x, c["ids"], c["w"], c["gate"], c["up"], c["down"]))
         assert len(ops) == 2  # gate+up kernel, down kernel
         assert all("tpu.matmul" in o for o in ops)
@@ -381,7 +386,7 @@ def test_unsupported_raise_not_implemented(fmt, rows):
     bad, _ = make_matrix(fmt, 16, rows, 256, np.random.default_rng(0))
     if rows == 256:
         with pytest.raises(NotImplementedError, match=f"gate .*{fmt}"):
-            K.moe_decode(c["x"], c["ids"], c["w"], bad, c["up"], c["down"], LIMIT, interpret=True)
+            KD.moe_decode(c["x"], c["ids"], c["w"], bad, c["up"], c["down"], LIMIT, interpret=True)
     with pytest.raises(NotImplementedError, match=fmt):
         C.check_supported(bad.fmt, bad.shape, 1, "down")
 
@@ -393,12 +398,14 @@ def test_mismatched_shapes_raise():
 
 
 def test_moe_experts_dispatch(monkeypatch):
-    """moe_experts: decode kernels up to `decode_max_tokens` tokens, prefill kernels beyond."""
+    """api.moe_experts with "pallas_tpu": decode kernels up to `decode_max_slots` routed slots, prefill beyond."""
     calls = []
-    monkeypatch.setattr(K, "moe_decode", lambda *a, **kw: calls.append("decode"))
-    monkeypatch.setattr(K, "moe_prefill", lambda *a, **kw: calls.append("prefill"))
+    monkeypatch.setattr(KD, "moe_decode", lambda *a, **kw: calls.append("decode"))
+    monkeypatch.setattr(KP, "moe_prefill", lambda *a, **kw: calls.append("prefill"))
     c = case_data("iq4_q4k_iq2s_T3")
-    args = (c["x"], c["ids"], c["w"], c["gate"], c["up"], c["down"], LIMIT)
-    K.moe_experts(*args, decode_max_tokens=3)
-    K.moe_experts(*args, decode_max_tokens=2)
+    ws = [QuantizedExperts.from_planes(c[m]) for m in ("gate", "up", "down")]
+    args = (jnp.asarray(c["x"]), jnp.asarray(c["ids"]), jnp.asarray(c["w"]), *ws, LIMIT)
+    slots = c["ids"].size
+    api.moe_experts(*args, implementation="pallas_tpu", decode_max_slots=slots)
+    api.moe_experts(*args, implementation="pallas_tpu", decode_max_slots=slots - 1)
     assert calls == ["decode", "prefill"]

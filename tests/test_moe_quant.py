@@ -2,6 +2,8 @@
 computation on gguf-py-dequantized weights; a count of the experts xla_quant dequantizes; and the model with
 QuantizedExperts (UD-like mix) against the same model holding the dequantized experts as dense arrays."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,9 @@ from glm53.layers.moe import Experts
 from glm53.model import Glm53Model
 from glm53.quant import budget
 from glm53.quant.formats import get_format
+from glm53.quant.mixes import UD_IQ3_XXS
 from glm53.quant.qweight import QuantizedExperts
+from kernels import dispatch
 from kernels.moe import api, xla_quant
 
 E, D, F, K = 12, 256, 256, 4
@@ -205,7 +209,7 @@ def test_dispatch_rule():
         sel("fastest", 8, 64)
 
 
-def test_auto_and_fallback(mix_weights, monkeypatch):
+def test_auto_and_fallback(mix_weights, monkeypatch, caplog):
     qs, kernels = mix_weights
     x, ids, w = routing(3, np.random.default_rng(9), pool=E)
     # cpu: auto == xla_quant (decode form for 12 slots <= 64, prefill form for decode_max_slots=4)
@@ -216,25 +220,37 @@ def test_auto_and_fallback(mix_weights, monkeypatch):
         _run("auto", x, ids, w, qs["planes"], decode_max_slots=4),
         _run("xla_quant_prefill", x, ids, w, qs["planes"]),
     )
-    # the Pallas kernels take QuantizedExperts only: dense arrays raise NotImplementedError -> reference
+    # the Pallas kernels take QuantizedExperts only: named, dense arrays raise; "auto" runs the reference
     dense = {m: jnp.asarray(kernels[m], jnp.float32) for m in MIX}
-    np.testing.assert_array_equal(
-        _run("pallas_tpu_decode", x, ids, w, dense), _run("reference", x, ids, w, dense)
-    )
+    with pytest.raises(NotImplementedError, match="'pallas_tpu_decode'.*QuantizedExperts"):
+        _run("pallas_tpu_decode", x, ids, w, dense)
+    with monkeypatch.context() as m:
+        m.setitem(api._AUTO, jax.default_backend(), "pallas_tpu")
+        np.testing.assert_array_equal(_run("auto", x, ids, w, dense), _run("reference", x, ids, w, dense))
 
-    # any implementation raising NotImplementedError at trace time falls back to the reference
+    # an implementation raising NotImplementedError at trace time: named, the error names it; "auto" falls
+    # back to the reference and logs the reason once
     def unsupported(*args):
         raise NotImplementedError("not this shape")
 
     monkeypatch.setitem(api._IMPLEMENTATIONS, "xla_quant_decode", unsupported)
-    np.testing.assert_array_equal(
-        _run("xla_quant", x, ids, w, qs["planes"]), _run("reference", x, ids, w, qs["planes"])
-    )
+    with pytest.raises(
+        NotImplementedError, match="'xla_quant_decode' cannot run these inputs: not this shape"
+    ):
+        _run("xla_quant", x, ids, w, qs["planes"])
+    dispatch.warn_fallback.cache_clear()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kernels.dispatch"):
+        got = [_run("auto", x, ids, w, qs["planes"]) for _ in range(2)]  # traced twice
+    for y in got:
+        np.testing.assert_array_equal(y, _run("reference", x, ids, w, qs["planes"]))
+    warned = [r.getMessage() for r in caplog.records if r.name == "kernels.dispatch"]
+    assert len(warned) == 1 and "xla_quant_decode" in warned[0] and "not this shape" in warned[0]
 
 
 def test_pallas_tpu_is_wired_through_the_api(mix_weights):
     """QuantizedExperts reach the Pallas kernels as Planes (interpret mode off TPU); the result matches the f64
-    computation (formats the kernels do not take would fall back to the reference, which matches too)."""
+    computation (a named implementation never falls back: formats the kernels do not take would raise)."""
     qs, kernels = mix_weights
     x, ids, w = routing(2, np.random.default_rng(10), pool=E)
     ref = moe_f64(x, ids, w, kernels)
@@ -283,9 +299,9 @@ def test_release_model_abstract_experts_match_the_byte_budget():
             if isinstance(v, QuantizedExperts):
                 assert path[0] == "layers"
                 total += v.nbytes
-        assert total == budget.expert_mix_nbytes(budget.UD_IQ3_XXS, 1, layout).total
+        assert total == budget.expert_mix_nbytes(UD_IQ3_XXS, 1, layout).total
         assert not isinstance(model.mtp.mlp.experts.gate_proj.get_value(), QuantizedExperts)
-    assert budget.expert_mix_nbytes(budget.UD_IQ3_XXS, 1, "planes").total == 109_867_696_128
+    assert budget.expert_mix_nbytes(UD_IQ3_XXS, 1, "planes").total == 109_867_696_128
 
 
 def _tiny_quant_config(experts: str, moe_impl: str):

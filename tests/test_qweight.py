@@ -21,7 +21,9 @@ from glm53.config import (
 from glm53.quant import budget, ggml
 from glm53.quant import planes as P
 from glm53.quant.formats import GGUF_FORMATS
-from glm53.quant.qweight import QuantizedExperts, expert_formats, layout_format, ud_iq3_xxs_mix
+from glm53.quant.layout import layout_format
+from glm53.quant.mixes import RELEASE_MOE_LAYERS, UD_IQ3_XXS, parse_mix, ud_iq3_xxs_mix
+from glm53.quant.qweight import QuantizedExperts, expert_formats
 from kernels.moe import api
 
 REENCODABLE = ("IQ2_S", "IQ3_S")
@@ -138,15 +140,15 @@ def test_errors_name_the_tensor():
 
 # --------------------------------------------------------------------------------------------- format mixes
 def test_ud_mix_is_the_release_table_and_scales():
-    release = ud_iq3_xxs_mix(budget.MOE_LAYERS)
-    assert release == budget.UD_IQ3_XXS
+    release = ud_iq3_xxs_mix(RELEASE_MOE_LAYERS)
+    assert release == UD_IQ3_XXS
     counts = {}
     for f in release.values():
         counts[f] = counts.get(f, 0) + 1
     assert counts == {"IQ2_S": 82, "IQ3_S": 41, "IQ4_XS": 3}  # the GGUF's tensor-type census
     # the rule is the identity on 42 layers wherever they sit
     shifted = ud_iq3_xxs_mix(range(42))
-    assert {(i + 3, m): f for (i, m), f in shifted.items()} == budget.UD_IQ3_XXS
+    assert {(i + 3, m): f for (i, m), f in shifted.items()} == UD_IQ3_XXS
     # 5 MoE layers (tiny 8-layer configs): ordinals 8, 9, 41 of 42 -> 0, 1, 4
     small = ud_iq3_xxs_mix([3, 4, 5, 6, 7])
     assert [small[(i, "down")] for i in range(3, 8)] == ["IQ4_XS", "IQ4_XS", "IQ3_S", "IQ3_S", "IQ4_XS"]
@@ -171,6 +173,42 @@ def test_expert_formats_per_layer():
     assert expert_formats(ud, cfg, None) is None  # MTP: not in the UD table
     with pytest.raises(ValueError, match="not a MoE layer"):
         expert_formats(ud, cfg, 0)
+    # block 8 is the MTP block of this 8-layer config
+    over = QuantConfig(experts="Q4_K,5.down=Q8_0,8.gate=IQ4_XS")
+    assert expert_formats(over, cfg, 5) == {"gate": "Q4_K", "up": "Q4_K", "down": "Q8_0"}
+    assert expert_formats(over, cfg, None) == {"gate": "IQ4_XS", "up": "Q4_K", "down": "Q4_K"}
+    ud_over = QuantConfig(experts="ud_iq3_xxs,7.down=Q8_0")
+    assert expert_formats(ud_over, cfg, 7) == {"gate": "IQ3_S", "up": "IQ3_S", "down": "Q8_0"}
+
+
+def test_mix_spellings_parse_to_one_value():
+    """Every spelling of a mix parses to one ExpertMix, and its spec reads back to it."""
+    pairs = {"gate": "IQ2_S", "up": "IQ2_S", "down": "Q4_K"}
+    same = [
+        parse_mix(s)
+        for s in ("gate=iq2_s,up=IQ2_S,down=q4_k", pairs, tuple(pairs.items()), "IQ2_S,down=Q4_K")
+    ]
+    assert all(m == same[0] for m in same) and same[0].base == pairs
+    assert parse_mix("none") is None and parse_mix(" ") is None and parse_mix(None) is None
+    ud = parse_mix("UD-IQ3_XXS,44.down=Q4_K,45.gate=Q8_0")
+    assert ud.ud and ud == parse_mix("ud_iq3_xxs,45.gate=q8_0,44.down=q4_k")
+    for m in (*same, ud, parse_mix("Q4_K"), parse_mix("ud_iq3_xxs,gate=Q4_K")):
+        assert parse_mix(m.spec) == m
+    assert ud.formats(RELEASE_MOE_LAYERS) == {**UD_IQ3_XXS, (44, "down"): "Q4_K"}  # 45 is no MoE layer
+    r = ud.resolve(RELEASE_MOE_LAYERS)  # the UD deviations written out: every block answers
+    assert not r.ud and r.format(45, "gate") == "Q8_0" and r.format(45, "up") == "IQ2_S"
+    assert r.format(12, "down") == "IQ4_XS" and r.format(13, "down") == "IQ3_S"
+    with pytest.raises(ValueError, match="resolve"):
+        ud.format(3, "gate")
+    for spec, match in [
+        ("Q4_K,x.down=Q4_K", "experts: cannot parse 'x.down'"),
+        ("Q4_K,3.down=Q9", "experts.3.down: unknown quantization format 'Q9'"),
+        ("Q4_K,3.up=Q8_0,3.up=Q6_K", "'3.up' given twice"),
+        ("none,3.down=Q4_K", "'none' .* takes no formats"),
+        ("gate=Q4_K,up=Q4_K", r"experts: no type for \['down'\]"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            parse_mix(spec, "experts")
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -180,6 +218,8 @@ def test_quant_config_parsing_and_errors():
     assert QuantConfig(experts="iq4_xs").experts == "IQ4_XS"
     pairs = (("gate", "IQ2_S"), ("up", "IQ2_S"), ("down", "Q4_K"))
     assert QuantConfig(experts=" gate=iq2_s, up=IQ2_S ,down=q4_k").experts == pairs
+    assert QuantConfig(experts="ud-iq3_xxs,44.down=q4_k").experts == "ud_iq3_xxs,44.down=Q4_K"
+    assert QuantConfig(experts=pairs).mix == parse_mix(pairs)
     assert (
         quant_config_from_dict({"experts": {"down": "q4_k", "up": "iq2_s", "gate": "IQ2_S"}}).experts == pairs
     )

@@ -8,6 +8,7 @@ from gguf import quants as gq
 from gguf.constants import GGMLQuantizationType
 
 from glm53.quant import budget, ggml
+from glm53.quant import layout as L
 from glm53.quant import planes as P
 from glm53.quant import reencode as R
 from glm53.quant.formats import UnknownFormatError, get_format
@@ -62,7 +63,7 @@ def test_every_grid_index_round_trips(name):
     raw = raw.reshape(1, -1)
     shape = (1, raw.size // f.type_size * 256)
     p = R.pack_reencoded(raw, name, shape)
-    np.testing.assert_array_equal(P.unpack_planes(p), raw)
+    np.testing.assert_array_equal(L.unpack(p), raw)
     np.testing.assert_array_equal(R.restore(R.reencode(raw, name), name), raw)
     np.testing.assert_array_equal(_bits(_deq(p)), _bits(_gguf(raw, name)))
 
@@ -89,12 +90,13 @@ def test_round_trip_and_bit_exact_decode(name, quantized):
         p = R.pack_reencoded(raw, name, (2, 4, 512))
         assert p.fmt is R.reencoded_format(name)
         np.testing.assert_array_equal(R.unpack_reencoded(p), raw)
-        np.testing.assert_array_equal(P.unpack_planes(p), raw)
+        np.testing.assert_array_equal(L.unpack(p), raw)
+        assert L.pack(raw, name, (2, 4, 512), "reencoded").fmt is p.fmt
         got = _deq(p)
         assert got.shape == (2, 4, 512)
         np.testing.assert_array_equal(_bits(got), _bits(_gguf(raw, name)))
         np.testing.assert_array_equal(_bits(got).ravel(), _bits(ggml.dequantize_row(name, raw, 8 * 512)))
-        np.testing.assert_array_equal(_bits(P.dequantize_planes(p)), _bits(got))  # planes dispatch
+        np.testing.assert_array_equal(_bits(L.dequantize(p)), _bits(got))  # layout dispatch
         rows = R.reencode(raw, name)
         assert rows.shape == (2, 4, 2 * R.reencoded_format(name).type_size)
         np.testing.assert_array_equal(R.restore(rows, name), raw)
@@ -136,11 +138,9 @@ def test_splits_of_reencoded_planes(name):
         k = 4 // n
         q = P.split_blocks(p, n, i)
         assert q.nbytes == budget.plane_nbytes((2, 4, 1024), name, ("blocks", n), "reencoded")
-        np.testing.assert_array_equal(
-            P.unpack_planes(q), raw[..., i * k * f.type_size : (i + 1) * k * f.type_size]
-        )
+        np.testing.assert_array_equal(L.unpack(q), raw[..., i * k * f.type_size : (i + 1) * k * f.type_size])
     q = P.split_rows(P.block_split_layout(p, 2), 2, 1)
-    np.testing.assert_array_equal(P.unpack_planes(q), raw[:, 2:])
+    np.testing.assert_array_equal(L.unpack(q), raw[:, 2:])
     np.testing.assert_array_equal(_bits(_deq(q)), _bits(_gguf(raw[:, 2:], name)))
 
 
@@ -168,6 +168,18 @@ def test_formats_without_reencoding():
     raw = random_gguf("IQ2_S", (1,), 1, np.random.default_rng(8))
     with pytest.raises(UnknownFormatError, match="not a re-encoded layout"):
         R.dequantize_reencoded(P.pack_planes(raw, "IQ2_S", (1, 256)))
+    # the "reencoded" layout keeps a format without a re-encoding as itself, in GGUF planes
+    iq4 = get_format("IQ4_XS")
+    assert L.layout_format(iq4, "reencoded") is iq4 and L.layout_format("IQ2_S", "planes").name == "IQ2_S"
+    raw4 = random_gguf("IQ4_XS", (1,), 1, np.random.default_rng(8))
+    assert L.pack(raw4, iq4, (1, 256), "reencoded").fmt is iq4
+    with pytest.raises(ValueError, match="unknown layout 'packed'"):
+        L.layout_format(iq4, "packed")
+    # planes.py reads the GGUF layout only; layout.py dispatches
+    p = R.pack_reencoded(raw, "IQ2_S", (1, 256))
+    for fn in (P.unpack_planes, P.dequantize_planes):
+        with pytest.raises(ValueError, match="IQ2_S_R planes hold a re-encoded layout"):
+            fn(p)
 
 
 def test_chunked_host_conversion_matches_one_shot():

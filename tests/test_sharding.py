@@ -36,7 +36,7 @@ from glm53.quant import planes as P
 from glm53.quant.formats import get_format
 from glm53.quant.int8 import Int8Weight, quantize_int8
 from glm53.quant.qweight import QuantizedExperts
-from kernels.moe import api as moe_api
+from kernels import dispatch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = model_config_from_dict(tiny.get_config("sharded").model)  # KDA 0-2, DSA 3, KDA 4; MoE at 3 and 4
@@ -104,10 +104,10 @@ def _pallas_experts(model, decode_max_slots: int = 8):
 def no_fallback(monkeypatch):
     """Fails the test when kernels.moe falls back from the Pallas kernels to the reference path."""
 
-    def fail(name, reason):
-        raise AssertionError(f"moe_experts fell back from {name} to reference: {reason}")
+    def fail(op, name, reason):
+        raise AssertionError(f"{op} fell back from {name} to reference: {reason}")
 
-    monkeypatch.setattr(moe_api, "_warn_fallback", fail)
+    monkeypatch.setattr(dispatch, "warn_fallback", fail)
 
 
 # ------------------------------------------------------------------------------------------ mesh / rules

@@ -3,7 +3,8 @@
 `run_benchmark(settings)` returns a JSON-able dict (see `experiments/bench_kernels.py`). Per op ("decode": one
 token per stream; "prefill": many tokens), layout, implementation and token count it records:
 
-  median_s               median wall time of `repeats` jitted calls (after `warmup`), inputs on device
+  median_s, min_s        median and fastest of `repeats` timed jitted calls (after compiling and `warmup` calls),
+  samples_s              inputs on device, and every timed call's seconds (glm53.benchmarks.harness)
   weight_bytes           plane bytes of the distinct routed experts (what a step must read at least)
   weight_bytes_touched   plane bytes the implementation reads (reference / dequant_all: every expert;
                          xla_quant decode: experts_per_step * ceil(U / experts_per_step) experts)
@@ -27,22 +28,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
-import platform
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm53.benchmarks import harness
 from glm53.config import QuantConfig
-from glm53.quant.qweight import MATRICES, QuantizedExperts
+from glm53.quant.mixes import MATRICES, parse_mix
+from glm53.quant.qweight import QuantizedExperts
 from kernels.moe import api, xla_quant
 
 IMPLS = ("reference", "dequant_all", "xla_quant", "pallas_tpu")
-_UD_COMMON = {"gate": "IQ2_S", "up": "IQ2_S", "down": "IQ3_S"}  # the UD-IQ3_XXS mix in 39 of 42 layers
 LIMIT = 10.0
 
 
@@ -89,12 +87,10 @@ class Settings:
         unknown = sorted(set(d) - fields)
         if unknown:
             raise ValueError(f"bench config: unknown keys {unknown}; valid keys are {sorted(fields)}")
-        spec = QuantConfig(experts=d["experts"]).experts
-        if spec == "none":
+        mix = parse_mix(d["experts"], "bench config field 'experts'")
+        if mix is None:
             raise ValueError("bench config field 'experts': 'none' has no quantized experts to benchmark")
-        experts = dict(_UD_COMMON) if spec == "ud_iq3_xxs" else (
-            {m: spec for m in MATRICES} if isinstance(spec, str) else dict(spec)
-        )  # fmt: skip
+        experts = mix.base  # one layer's formats: under UD-IQ3_XXS those of 39 of its 42 layers
         impls = _names(d["impls"])
         bad = sorted(set(impls) - set(IMPLS))
         if bad:
@@ -121,17 +117,9 @@ def uniform_routing(rng: np.random.Generator, tokens: int, n_experts: int, top_k
     return ids, 2.5 * w / w.sum(axis=1, keepdims=True)
 
 
-def time_fn(fn: Callable, args: Sequence, warmup: int, repeats: int) -> tuple[float, list[float]]:
-    """(median seconds, all samples) of `repeats` calls of a jitted fn after compiling and `warmup` calls."""
-    jax.block_until_ready(fn(*args))  # compile
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples), samples
+def time_jitted(fn: Callable, args: tuple, s: Settings) -> harness.Timing:
+    """`s.repeats` timed calls fn(*args) after the compiling call and `s.warmup` more."""
+    return harness.time_call(lambda: fn(*args), warmup=1 + s.warmup, repeats=s.repeats)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
@@ -183,24 +171,8 @@ def _copy(a):
     return a + jnp.uint32(1)  # reads and writes every word (not elided, unlike an identity)
 
 
-def _copy_time(nbytes: int, s: Settings) -> float:
-    a = jnp.zeros((max(1, nbytes // 4),), jnp.uint32)
-    return time_fn(_copy, (a,), s.warmup, s.repeats)[0]
-
-
-def _machine() -> dict:
-    import flax
-    import jaxlib
-
-    return {
-        "backend": jax.default_backend(),
-        "devices": [d.device_kind for d in jax.devices()],
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "versions": {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__,
-                     "numpy": np.__version__},
-    }  # fmt: skip
+def _copy_timing(nbytes: int, s: Settings) -> harness.Timing:
+    return time_jitted(_copy, (jnp.zeros((max(1, nbytes // 4),), jnp.uint32),), s)
 
 
 def run_benchmark(settings: Settings, log: Callable[[str], None] = print) -> dict:
@@ -228,8 +200,9 @@ def run_benchmark(settings: Settings, log: Callable[[str], None] = print) -> dic
                 u = int(len(np.unique(ids)))
                 slots = tokens * s.top_k
                 args = (x, jnp.asarray(ids), jnp.asarray(w), ws["gate"], ws["up"], ws["down"])
-                copy_s = _copy_time(u * per_expert, s)
-                times = {}
+                copy = _copy_timing(u * per_expert, s)
+                timings: dict[str, harness.Timing] = {}
+                group = []
                 for impl in impls:
                     if impl == "reference" and slots > s.reference_max_slots:
                         notes.append(
@@ -237,11 +210,11 @@ def run_benchmark(settings: Settings, log: Callable[[str], None] = print) -> dic
                         )
                         continue
                     try:
-                        med, samples = time_fn(_impl_fn(impl, op, s), args, s.warmup, s.repeats)
+                        t = time_jitted(_impl_fn(impl, op, s), args, s)
                     except NotImplementedError as e:
                         notes.append(f"{impl} {op} {layout}: not implemented ({e})")
                         continue
-                    times[impl] = med
+                    timings[impl] = t
                     if impl in ("reference", "dequant_all"):
                         touched = s.n_experts
                     elif impl == "xla_quant" and op == "decode":
@@ -249,26 +222,29 @@ def run_benchmark(settings: Settings, log: Callable[[str], None] = print) -> dic
                         touched = c * math.ceil(u / c)
                     else:
                         touched = u
-                    records.append({
+                    rec = {
                         "op": op, "impl": impl, "layout": layout, "formats": formats, "tokens": tokens,
                         "slots": slots, "n_experts": s.n_experts, "d_model": s.d_model, "d_ff": s.d_ff,
-                        "top_k": s.top_k, "dtype": s.dtype, "median_s": med, "samples_s": samples,
+                        "top_k": s.top_k, "dtype": s.dtype, **t.to_dict(),
                         "weight_bytes": u * per_expert, "weight_bytes_touched": touched * per_expert,
-                        "gb_per_s": u * per_expert / med / 1e9, "distinct_experts": u,
+                        "gb_per_s": u * per_expert / t.median_s / 1e9, "distinct_experts": u,
                         "distinct_experts_expected": expected_distinct(s.n_experts, s.top_k, tokens),
-                        "copy_median_s": copy_s, "copy_gb_per_s": u * per_expert / copy_s / 1e9,
-                        "ratio_vs_copy": copy_s / med,
-                    })  # fmt: skip
-                    log(f"{layout:9s} {op:7s} T={tokens:<5d} U={u:<4d} {impl:12s} {med * 1e3:10.3f} ms  "
-                        f"{u * per_expert / med / 1e9:8.3f} GB/s  copy {copy_s / med:6.3f}")  # fmt: skip
-                for r in records:
-                    if r["layout"] == layout and r["op"] == op and r["tokens"] == tokens:
-                        for base in ("reference", "dequant_all"):
-                            r[f"ratio_vs_{base}"] = times[base] / r["median_s"] if base in times else None
+                        "copy_median_s": copy.median_s, "copy_gb_per_s": u * per_expert / copy.median_s / 1e9,
+                        "ratio_vs_copy": harness.speedup(copy, t),
+                    }  # fmt: skip
+                    group.append(rec)
+                    log(f"{layout:9s} {op:7s} T={tokens:<5d} U={u:<4d} {impl:12s} {t.median_s * 1e3:10.3f} ms  "
+                        f"{rec['gb_per_s']:8.3f} GB/s  copy {rec['ratio_vs_copy']:6.3f}")  # fmt: skip
+                for rec in group:
+                    for base in ("reference", "dequant_all"):
+                        rec[f"ratio_vs_{base}"] = (
+                            harness.speedup(timings[base], timings[rec["impl"]]) if base in timings else None
+                        )
+                records.extend(group)
     return {
         "benchmark": "moe_experts",
         "set": s.name,
-        "machine": _machine(),
+        "machine": harness.machine(("flax", "numpy")),
         "settings": dataclasses.asdict(s),
         "records": records,
         "scaling": scaling(records, s),

@@ -3,7 +3,7 @@ weights with a GGUF's routed experts.
 
 Complete GGUF (`load_gguf_model`): the config comes from the GGUF metadata (architecture `glm5-next` or
 `glm5next`); the model is built abstractly and every parameter is read from its tensor(s) by the name map of
-`gguf_rules` (architecture.md section 8.1), transformed into our layout and checked against the abstract
+`gguf_rules` (docs/architecture.md §10), transformed into our layout and checked against the abstract
 parameter. Tensors of any GGUF type glm53 decodes (F32 / F16 / BF16 / Q8_0 / K- and i-quants) are dequantized
 to the parameter dtype on load. Problems (missing / unexpected tensors, wrong shapes, unsupported types,
 unreadable bytes) are collected and raised once, as one `CheckpointError` naming every tensor.
@@ -32,12 +32,16 @@ from gguf.constants import GGMLQuantizationType
 
 from glm53.checkpoint import gguf_rules as rules
 from glm53.checkpoint.gguf_rules import Path, Target
-from glm53.config import ConfigError, ModelConfig
+from glm53.checkpoint.hf import load_hf_weights
+from glm53.config import ConfigError, ModelConfig, load_hf_config
 from glm53.errors import CheckpointError
 from glm53.io.gguf import GGUFError, GGUFModel, TensorInfo
 from glm53.layers.param import is_routed_expert
+from glm53.model import Glm53Model
 from glm53.quant import dequant
 from glm53.quant.formats import QuantFormat
+from glm53.quant.mixes import MATRICES
+from glm53.quant.qweight import QuantizedExperts
 
 _log = logging.getLogger(__name__)
 
@@ -151,8 +155,6 @@ class ExpertTensor:
 
     def quantized(self, layout: str = "planes"):
         """The experts kept quantized: a `glm53.quant.qweight.QuantizedExperts` (host planes, no decoding)."""
-        from glm53.quant.qweight import QuantizedExperts
-
         return QuantizedExperts.from_gguf_bytes(self.read(), self.format, self.shape, layout, name=self.name)
 
     def dequantize(self, dtype=np.float32) -> np.ndarray:
@@ -214,8 +216,6 @@ def expert_tensors(g: GGUFModel, cfg: ModelConfig, *, with_mtp: bool = True) -> 
     Checks names, shapes and formats (raises one CheckpointError naming every problem); reads no tensor bytes.
     with_mtp: include the MTP block's experts (``blk.{num_hidden_layers}``).
     """
-    from glm53.model import Glm53Model
-
     problems = _Problems(g.name)
     abstract = nnx.eval_shape(lambda: Glm53Model(cfg, rngs=nnx.Rngs(0), with_mtp=with_mtp))
     _, _, _, targets = _targets(abstract, cfg, problems)
@@ -237,8 +237,6 @@ def _expert_tensors(g: GGUFModel, targets, problems: _Problems) -> dict[Path, Ex
 def _expert_value(et: ExpertTensor, abstract, put, problems: _Problems):
     """A routed-expert parameter from its GGUF tensor: a QuantizedExperts when the model keeps experts quantized
     (the file's format must be the one the model was built for), else dense [E, in, out]; None on a problem."""
-    from glm53.quant.qweight import QuantizedExperts
-
     if not isinstance(abstract, QuantizedExperts):
         value = et.dequantize(np.dtype(abstract.dtype))
         return put(et.path, value, getattr(abstract, "sharding", None))
@@ -344,8 +342,6 @@ def load_gguf_checkpoint(
     `QuantizedExperts` planes, no decoding; each tensor's type must be the one `quant` gives it); None: dense.
     Returns (cfg, model, report).
     """
-    from glm53.model import Glm53Model
-
     with open_gguf_model(path) as g:
         cfg = gguf_config(g) if cfg is None else cfg
         if with_mtp is None:
@@ -384,10 +380,6 @@ def load_hybrid(
     as `load_gguf_checkpoint`. Other keyword arguments go to `glm53.checkpoint.hf.load_hf_weights` (e.g. int8).
     Returns (cfg, model).
     """
-    from glm53.checkpoint.hf import load_hf_weights
-    from glm53.config import load_hf_config
-    from glm53.model import Glm53Model
-
     cfg = load_hf_config(hf_dir) if cfg is None else cfg
     abstract = nnx.eval_shape(
         lambda: Glm53Model(
@@ -407,7 +399,7 @@ def load_hybrid(
         targets = {p: v for p, v in targets.items() if v[0].is_expert}
         experts = _expert_tensors(g, targets, problems)
         wanted = {t.names[0] for t, _ in targets.values()}
-        suffixes = tuple(f".ffn_{m}_exps.weight" for m in rules.EXPERT_MATRICES)
+        suffixes = tuple(f".ffn_{m}_exps.weight" for m in MATRICES)
         for name, info in g.tensors.items():
             if name.endswith(suffixes) and name not in wanted:
                 problems.add("unexpected", f"{name} {list(info.shape)}: routed experts of a layer the model "

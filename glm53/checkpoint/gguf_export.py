@@ -10,19 +10,18 @@
   `mix` with llama.cpp's quantizer (``ggml_quantize_chunk`` via `glm53.quant.ggml`; the i-quants that need an
   importance matrix get an all-ones one). Every other tensor and every metadata key is copied unchanged.
 
-Mixes (`parse_mix`): a single type ("Q4_K"), "gate=IQ2_S,up=IQ2_S,down=IQ3_S", or "UD-IQ3_XXS" (Unsloth's
-release: IQ2_S gate/up and IQ3_S down; IQ4_XS down in blocks 11, 12, 44 and IQ3_S gate/up in block 44, scaled to
-the model's MoE layers; its MTP-block types are not reproduced), each optionally followed by ",N.matrix=TYPE"
-overrides of block N.
+Mixes (`parse_mix`): the specs of `glm53.quant.mixes.parse_mix`, a single type ("Q4_K"),
+"gate=IQ2_S,up=IQ2_S,down=IQ3_S" or "UD-IQ3_XXS" (Unsloth's release scaled to the model's MoE layers; its
+MTP-block types are not reproduced), each optionally followed by ",N.matrix=TYPE" overrides of block N.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 from collections.abc import Mapping
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
@@ -30,90 +29,28 @@ from gguf import GGUFWriter
 from gguf.constants import GGMLQuantizationType, GGUFValueType
 
 from glm53.checkpoint import gguf_rules as rules
-from glm53.config import ModelConfig
-from glm53.quant.formats import GGUF_FORMATS, get_format
+from glm53.checkpoint.gguf import decode_tensor, open_gguf_model
+from glm53.checkpoint.hf import load_hf_checkpoint
+from glm53.config import ModelConfig, load_hf_config
+from glm53.errors import ConfigError
+from glm53.quant import ggml, mixes
+from glm53.quant.formats import get_format
+from glm53.quant.mixes import ExpertMix
 
 Path = rules.Path
 DENSE_TYPES = ("F32", "F16", "BF16", "Q8_0")
-EXPERT_NAME = re.compile(r"blk\.(?P<block>\d+)\.ffn_(?P<matrix>gate|up|down)_exps\.weight")
+EXPERT_NAME = re.compile(rf"blk\.(?P<block>\d+)\.ffn_(?P<matrix>{'|'.join(mixes.MATRICES)})_exps\.weight")
 # llama.cpp's general.file_type (LLAMA_FTYPE_*) for a file whose large matrices are of one type.
 _FILE_TYPE = {"F32": 0, "F16": 1, "Q8_0": 7, "BF16": 32}
 
 
-@dataclasses.dataclass(frozen=True)
-class ExpertMix:
-    """GGUF type of each routed-expert matrix: per matrix, with per-block overrides (block = GGUF blk index)."""
-
-    gate: str
-    up: str
-    down: str
-    overrides: tuple[tuple[int, str, str], ...] = ()  # (block, "gate" | "up" | "down", type)
-
-    def __post_init__(self):
-        for t in (self.gate, self.up, self.down, *(o[2] for o in self.overrides)):
-            if get_format(t).name not in GGUF_FORMATS:
-                raise ValueError(f"expert mix: {t!r} is not a GGUF type; choose from {list(GGUF_FORMATS)}")
-        for _, m, _ in self.overrides:
-            if m not in rules.EXPERT_MATRICES:
-                raise ValueError(
-                    f"expert mix: unknown matrix {m!r}; expected one of {list(rules.EXPERT_MATRICES)}"
-                )
-
-    def format(self, block: int, matrix: str) -> str:
-        for b, m, t in self.overrides:
-            if b == block and m == matrix:
-                return get_format(t).name
-        return get_format(getattr(self, matrix)).name
-
-
-UD_IQ3_XXS = "UD-IQ3_XXS"
-
-
-def ud_iq3_xxs(moe_layers) -> ExpertMix:
-    """Unsloth's UD-IQ3_XXS mix for a model whose MoE blocks are `moe_layers` (the release's table for its 42
-    layers, scaled to other counts by `glm53.quant.qweight.ud_iq3_xxs_mix`); other blocks (MTP) IQ2_S / IQ3_S."""
-    from glm53.quant.qweight import ud_iq3_xxs_mix
-
-    base = {"gate": "IQ2_S", "up": "IQ2_S", "down": "IQ3_S"}
-    table = ud_iq3_xxs_mix(list(moe_layers))
-    return ExpertMix(
-        **base, overrides=tuple((b, m, t) for (b, m), t in sorted(table.items()) if t != base[m])
-    )
-
-
 def parse_mix(spec: str | ExpertMix, moe_layers=None) -> ExpertMix:
-    """An ExpertMix from a spec: a single GGUF type ("Q4_K"), "gate=T,up=T,down=T", or "UD-IQ3_XXS", each
-    optionally followed by block overrides ",N.matrix=T". moe_layers: the MoE blocks "UD-IQ3_XXS" is scaled to
-    (default: the release's, 3..44)."""
-    if isinstance(spec, ExpertMix):
-        return spec
-    parts = [p.strip() for p in spec.split(",")]
-    base, overrides, rest = {}, [], parts
-    if "=" not in parts[0]:
-        if parts[0].upper().replace("-", "_") == UD_IQ3_XXS.replace("-", "_"):
-            from glm53.quant import budget
-
-            ud = ud_iq3_xxs(budget.MOE_LAYERS if moe_layers is None else moe_layers)
-            base, overrides = {m: getattr(ud, m) for m in rules.EXPERT_MATRICES}, list(ud.overrides)
-        else:
-            base = dict.fromkeys(rules.EXPERT_MATRICES, parts[0])
-        rest = parts[1:]
-    for part in rest:
-        key, _, value = part.partition("=")
-        if re.fullmatch(r"\d+\.(gate|up|down)", key):
-            block, matrix = key.split(".")
-            overrides.append((int(block), matrix, value))
-        elif key in rules.EXPERT_MATRICES:
-            base[key] = value
-        else:
-            raise ValueError(
-                f"expert mix {spec!r}: cannot parse {part!r} (expected gate=T, up=T, down=T or N.down=T)"
-            )
-    missing = [m for m in rules.EXPERT_MATRICES if m not in base]
-    if missing:
-        raise ValueError(f"expert mix {spec!r}: no type for {missing}")
-    # later overrides win: ExpertMix.format takes the first match
-    return ExpertMix(base["gate"], base["up"], base["down"], tuple(reversed(overrides)))
+    """The ExpertMix of a spec (`glm53.quant.mixes.parse_mix`) for a model whose MoE blocks are `moe_layers`
+    (default: the release's, 3..44), so that `.format(block, matrix)` answers for every block."""
+    mix = mixes.parse_mix(spec, "experts")
+    if mix is None:
+        raise ConfigError(f"experts: {spec!r} is no GGUF type; the writer needs one for every expert matrix")
+    return mix.resolve(mixes.RELEASE_MOE_LAYERS if moe_layers is None else moe_layers)
 
 
 # ------------------------------------------------------------------------------------------------ encoding
@@ -127,8 +64,6 @@ def encode(a: np.ndarray, fmt: str) -> tuple[np.ndarray, GGMLQuantizationType | 
         return a.astype(np.float16), None
     if f.name == "BF16":
         return a.astype(ml_dtypes.bfloat16).view(np.uint8), GGMLQuantizationType.BF16
-    from glm53.quant import ggml
-
     rows = a.reshape(-1, a.shape[-1])
     data = np.frombuffer(ggml.quantize(rows, f), np.uint8)
     return data.reshape(*a.shape[:-1], -1), GGMLQuantizationType(f.ggml_type)
@@ -205,11 +140,6 @@ def convert_hf_to_gguf(
     hf_dir: str | os.PathLike, path: str | os.PathLike, *, with_mtp: bool = True, **kw
 ) -> ModelConfig:
     """Converts an HF GLM-5.3 folder into one GGUF (see `write_gguf` for the keyword arguments); returns its cfg."""
-    import jax.numpy as jnp
-
-    from glm53.checkpoint.hf import load_hf_checkpoint
-    from glm53.config import load_hf_config
-
     cfg = load_hf_config(hf_dir)
     model, _ = load_hf_checkpoint(hf_dir, cfg, dtype=jnp.float32, with_mtp=with_mtp)
     write_gguf(path, cfg, model_params(model), **kw)
@@ -221,8 +151,6 @@ def quantize_experts(src: str | os.PathLike, dst: str | os.PathLike, mix: Expert
 
     Source experts of any type glm53 decodes are first decoded to f32. Returns {tensor name: new type}.
     """
-    from glm53.checkpoint.gguf import decode_tensor, open_gguf_model
-
     changed = {}
     with open_gguf_model(src) as g:
         if len(g.shards) != 1:

@@ -1,5 +1,5 @@
 """glm53 parameter path <-> llama.cpp GGUF tensor name, the layout transform each way, and the GGUF metadata
-keys of a GLM-5.3 model (architecture `glm5-next`, later mainline `glm5next`): architecture.md section 8.1.
+keys of a GLM-5.3 model (architecture `glm5-next`, later mainline `glm5next`): docs/architecture.md §10.
 
 Used by the GGUF loader (GGUF -> params, `from_gguf`) and the GGUF writer (params -> GGUF, `to_gguf`), so the
 two directions cannot drift apart. Shapes below are numpy order (GGUF `ne` reversed).
@@ -29,7 +29,6 @@ ARCHITECTURES = ("glm5-next", "glm5next")
 DEFAULT_ARCH = "glm5-next"
 
 SAME, LINEAR, CONV, EXPERTS, SSM_A, KV_B = "same", "linear", "conv", "experts", "ssm_a", "kv_b"
-EXPERT_MATRICES = ("gate", "up", "down")
 
 # Our path relative to a decoder layer (or the MTP block) -> (GGUF names relative to ``blk.N.``, layout).
 LAYER_TENSORS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -397,7 +396,7 @@ def config_from_metadata(get: Callable[[str], Any], *, name: str, n_vocab: int |
     if k_mla is not None:
         kw["qk_nope_head_dim"] = k_mla - rope
     kpool = m.int("attention.indexer.kpool", required=False)
-    if kpool is None:  # ggml PR #27752 spelling (architecture.md open point 4)
+    if kpool is None:  # ggml PR #27752 spelling (docs/architecture.md §11.7)
         kpool = m.int("attention.indexer.block_size", required=False)
     if kpool is None:
         m.problems.append(

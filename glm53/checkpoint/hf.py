@@ -7,10 +7,9 @@ until every expert has arrived. Nothing is raised until the last shard has been 
 (missing parameters, unexpected keys, wrong shapes, unsupported dtypes, FP8 weights without scales, unreadable
 files) is reported in one `CheckpointError`.
 
-FP8 (``quantization_config.quant_method == "fp8"``): a float8_e4m3fn ``X.weight`` comes with a
-``X.weight_scale_inv`` of 128x128 block scales and is dequantized on the host with `glm53.quant.fp8`; modules in
-``modules_to_not_convert`` must arrive unquantized. Optionally (``int8=True``) the large non-expert Linear
-kernels are stored as `Int8Weight` (int8 + one f32 scale per output channel).
+FP8 (``quantization_config.quant_method == "fp8"``): weights and their block scales are paired and dequantized
+on the host by `glm53.checkpoint.hf_fp8`. Optionally (``int8=True``) the large non-expert Linear kernels are
+stored as `Int8Weight` (int8 + one f32 scale per output channel).
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 from collections.abc import Callable
 
 import jax
@@ -28,20 +26,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from glm53.checkpoint import hf_fp8
+from glm53.checkpoint.hf_fp8 import FP8_DTYPE, SCALE_DTYPES, QuantInfo, read_quant_info
 from glm53.checkpoint.hf_rules import Ignored, Mapped, Path, ShapeProblem, classify
+from glm53.config import load_hf_config
 from glm53.errors import CheckpointError
 from glm53.io.safetensors import SafetensorsFile
 from glm53.layers.param import path_str
+from glm53.model import Glm53Model
 from glm53.quant.int8 import Int8Weight, quantize_int8
 
 _log = logging.getLogger(__name__)
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
-SCALE_DTYPES = ("F32", "F16", "BF16")
-FP8_DTYPE = "F8_E4M3"
-FP8_BLOCK = (128, 128)
-_SCALE_SUFFIXES = (("weight_scale_inv", "weight"), ("_scale_inv", ""))
-_ACT_SCALE = re.compile(r".*\.(?:input_scale|activation_scale)")
 
 
 @dataclasses.dataclass
@@ -61,55 +58,6 @@ class LoadReport:
         return (f"{len(self.files)} files, {self.tensors_read} tensors ({self.bytes_read / 2**20:.1f} MiB) -> "
                 f"{self.params_loaded} params ({self.fp8_dequantized} dequantized from FP8, {self.int8_params} "
                 f"stored int8); ignored: {ign}")  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantInfo:
-    """The FP8 part of ``config.json`` (``quantization_config``)."""
-
-    fp8: bool = False
-    block: tuple[int, int] = FP8_BLOCK
-    not_convert: tuple[str, ...] = ()
-
-    def excluded(self, module: str) -> bool:
-        """Whether `module` (an HF module name) matches an entry of ``modules_to_not_convert``."""
-        for pat in self.not_convert:
-            if module == pat or module.startswith(pat + ".") or module.endswith("." + pat):
-                return True
-            try:
-                if re.fullmatch(pat, module) or re.match(rf"(?:{pat})(?=\.|$)", module):
-                    return True
-            except re.error:
-                continue
-        return False
-
-
-def read_quant_info(folder: str) -> QuantInfo:
-    """Reads ``quantization_config`` from ``folder/config.json`` (no file or no section: not quantized)."""
-    path = os.path.join(folder, "config.json")
-    if not os.path.exists(path):
-        return QuantInfo()
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read ({e})") from None
-    q = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
-    if not q:
-        return QuantInfo()
-    method = q.get("quant_method")
-    if method != "fp8":
-        raise CheckpointError(
-            f"{path}: quantization_config.quant_method {method!r} is not supported (only 'fp8')"
-        )
-    if q.get("fmt", "e4m3") != "e4m3":
-        raise CheckpointError(
-            f"{path}: quantization_config.fmt {q.get('fmt')!r} is not supported (only 'e4m3')"
-        )
-    block = tuple(q.get("weight_block_size") or FP8_BLOCK)
-    if len(block) != 2:
-        raise CheckpointError(f"{path}: quantization_config.weight_block_size {block} is not [rows, cols]")
-    return QuantInfo(True, (int(block[0]), int(block[1])), tuple(q.get("modules_to_not_convert") or ()))
 
 
 def shard_files(folder: str) -> list[str]:
@@ -142,39 +90,6 @@ def default_int8_filter(path: Path, shape: tuple[int, ...], min_size: int) -> bo
     return (
         path[-1] == "kernel" and len(shape) == 2 and int(np.prod(shape)) >= min_size and "router" not in path
     )
-
-
-def _scale_partner(key: str) -> str | None:
-    """For a ``...weight_scale_inv`` / ``..._scale_inv`` key, the key of the weight it scales."""
-    for suffix, repl in _SCALE_SUFFIXES:
-        if key.endswith(suffix):
-            return key[: -len(suffix)] + repl
-    return None
-
-
-def _module_name(key: str) -> str:
-    return key[: -len(".weight")] if key.endswith(".weight") else key
-
-
-def dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], key: str) -> np.ndarray:
-    """Dequantizes one FP8 tensor [..., rows, cols] with its block scales (via glm53.quant.fp8); f32 result."""
-    rows, cols = w.shape[-2:]
-    want = w.shape[:-2] + (-(-rows // block[0]), -(-cols // block[1]))
-    if tuple(scale_inv.shape) != want:
-        raise ShapeProblem(f"weight_scale_inv shape {tuple(scale_inv.shape)} does not match FP8 weight "
-                           f"{tuple(w.shape)} with {block[0]}x{block[1]} blocks (expected {want})")  # fmt: skip
-    from glm53.quant.fp8 import dequantize_fp8
-
-    with jax.default_device(_host_device()):
-        return np.asarray(dequantize_fp8(w, scale_inv, block=block, dtype=np.float32, name=key))
-
-
-def _host_device():
-    """The CPU device (host-side dequantization), or the default device where jax has no CPU backend."""
-    try:
-        return jax.devices("cpu")[0]
-    except RuntimeError:
-        return None
 
 
 class _Loader:
@@ -215,7 +130,7 @@ class _Loader:
 
     def _read_key(self, sf: SafetensorsFile, key: str, fname: str) -> None:
         dt = sf.dtype(key)
-        partner = _scale_partner(key)
+        partner = hf_fp8.scale_partner(key)
         if partner is not None:
             if dt not in SCALE_DTYPES:
                 self.problems["dtype"].append(
@@ -241,7 +156,7 @@ class _Loader:
             else:
                 self.scales[partner] = (scale, fname)
             return
-        if _ACT_SCALE.fullmatch(key):
+        if hf_fp8.is_activation_scale(key):
             self.report.ignored["activation scales (weights are dequantized)"] += 1
             return
         c = classify(key, self.cfg.num_hidden_layers, self.num_mtp)
@@ -255,7 +170,7 @@ class _Loader:
             self.report.ignored[_SKIPPED] += 1
             return
         if dt == FP8_DTYPE:
-            if self.quant.excluded(_module_name(key)):
+            if self.quant.excluded(hf_fp8.module_name(key)):
                 self.rejected.add(key)  # its scale is not reported again
                 self.scales.pop(key, None)
                 self.problems["dtype"].append(f"{key} ({fname}): stored as {dt} but its module is listed in "
@@ -293,7 +208,7 @@ class _Loader:
 
     def _dequantize_and_place(self, mapped: Mapped, w: np.ndarray, scale: np.ndarray, fname: str) -> None:
         try:
-            value = dequantize(w, scale, self.quant.block, mapped.key)
+            value = hf_fp8.dequantize(w, scale, self.quant.block, mapped.key)
         except ShapeProblem as e:
             self.problems["shape"].append(f"{mapped.key} ({fname}): {e}")
             return
@@ -500,9 +415,6 @@ def load_hf_checkpoint(folder: str | os.PathLike, cfg=None, *, dtype=jnp.bfloat1
     dtype / kernels / with_mtp: as `Glm53Model` (without the MTP block, checkpoint layer num_hidden_layers is
     ignored). Returns (model, report); other keyword arguments as `load_hf_weights`.
     """
-    from glm53.config import load_hf_config
-    from glm53.model import Glm53Model
-
     cfg = load_hf_config(folder) if cfg is None else cfg
     abstract = nnx.eval_shape(
         lambda: Glm53Model(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels, with_mtp=with_mtp)
@@ -512,8 +424,6 @@ def load_hf_checkpoint(folder: str | os.PathLike, cfg=None, *, dtype=jnp.bfloat1
 
 def load_hf_model(folder: str | os.PathLike, *, dtype=jnp.bfloat16, **kw):
     """(cfg, model) from an HF folder: its config.json and weights (see `load_hf_checkpoint`)."""
-    from glm53.config import load_hf_config
-
     cfg = load_hf_config(folder)
     model, report = load_hf_checkpoint(folder, cfg, dtype=dtype, **kw)
     return cfg, model

@@ -26,9 +26,6 @@ from glm53.config.model import (
     validate,
 )
 from glm53.config.quant import (
-    EXPERT_LAYOUTS,
-    EXPERT_MATRICES,
-    EXPERT_MIXES,
     MOE_IMPLEMENTATIONS,
     QuantConfig,
     quant_config_from_dict,
@@ -37,9 +34,6 @@ from glm53.errors import ConfigError
 
 __all__ = [
     "ATTN_KINDS",
-    "EXPERT_LAYOUTS",
-    "EXPERT_MATRICES",
-    "EXPERT_MIXES",
     "INDEXER_KINDS",
     "MLP_KINDS",
     "MOE_IMPLEMENTATIONS",

@@ -7,6 +7,7 @@ Layer kinds use our short names: attention ``"kda"`` / ``"dsa"``, FFN ``"dense"`
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from glm53.config.fields import field_error as _err
@@ -88,9 +89,9 @@ class ModelConfig:
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
 
-    # Tokens.
+    # Tokens: generation stops at any of `eos_token_ids` (none: only at its limit); pad None: no pad id.
     eos_token_ids: tuple[int, ...] = (154820, 154827, 154829)
-    pad_token_id: int = 154820
+    pad_token_id: int | None = 154820
 
     vision: VisionConfig | None = None
 
@@ -128,7 +129,16 @@ class ModelConfig:
         return validate(dataclasses.replace(self, **kw))
 
     def __post_init__(self):
-        # Fill the per-layer schedules when left empty (release defaults), then validate.
+        # Lists become tuples and ints in float fields floats; then the types are checked and the per-layer
+        # schedules left empty are filled with the release pattern before the full validation.
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, list) and f.type.startswith("tuple"):
+                object.__setattr__(self, f.name, tuple(v))
+            elif f.type == "float" and isinstance(v, int) and not isinstance(v, bool):
+                object.__setattr__(self, f.name, float(v))
+        _check_types(self)
+        _check_counts(self)
         n = self.num_hidden_layers
         if not self.layer_types:
             object.__setattr__(self, "layer_types", tuple("dsa" if i % 4 == 3 else "kda" for i in range(n)))
@@ -137,28 +147,64 @@ class ModelConfig:
             object.__setattr__(self, "mlp_layer_types", ("dense",) * k + ("moe",) * (n - k))
         if not self.indexer_types:
             object.__setattr__(self, "indexer_types", ("full",) * n)
-        for name in ("layer_types", "mlp_layer_types", "indexer_types", "eos_token_ids"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
         validate(self)
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# Field annotation -> the values it admits (a float field also takes an int: JSON writes 2.0 as 2 at times).
+_TYPE_CHECKS = {
+    "int": _is_int,
+    "int | None": lambda v: v is None or _is_int(v),
+    "float": lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v),
+    "bool": lambda v: isinstance(v, bool),
+    "tuple[int, ...]": lambda v: isinstance(v, tuple) and all(_is_int(x) for x in v),
+    "tuple[str, ...]": lambda v: isinstance(v, tuple) and all(isinstance(x, str) for x in v),
+    "VisionConfig | None": lambda v: v is None or isinstance(v, VisionConfig),
+}
+
+
+def check_type(cls: type, name: str, v: Any, prefix: str = "") -> None:
+    """Raises a ConfigError naming the field unless `v` fits the annotation of field `name` of `cls`."""
+    t = cls.__dataclass_fields__[name].type
+    if not _TYPE_CHECKS[t](v):
+        raise _err(
+            prefix + name, f"expected {'a finite float' if t == 'float' else t}, got {type(v).__name__} {v!r}"
+        )
+
+
+def _check_types(obj, prefix: str = "") -> None:
+    """Every field of a config dataclass holds a value of its annotated type (a bool is not an int)."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        check_type(type(obj), f.name, v, prefix)
+        if dataclasses.is_dataclass(v):
+            _check_types(v, f"{prefix}{f.name}.")
+
+
+_NON_NEGATIVE = ("num_nextn_predict_layers", "n_shared_experts")
+MAX_LAYERS = 10_000  # bounds the per-layer schedules built from num_hidden_layers
+
+
+def _check_counts(obj, prefix: str = "") -> None:
+    """Every int field is positive (a few may be 0), the nested vision config's too."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if f.type == "int" and v < (0 if f.name in _NON_NEGATIVE else 1):
+            kind = "non-negative" if f.name in _NON_NEGATIVE else "positive"
+            raise _err(prefix + f.name, f"must be a {kind} integer, got {v!r}")
+        if dataclasses.is_dataclass(v):
+            _check_counts(v, f"{prefix}{f.name}.")
+    if isinstance(obj, ModelConfig) and obj.num_hidden_layers > MAX_LAYERS:
+        raise _err("num_hidden_layers", f"{obj.num_hidden_layers} is more than {MAX_LAYERS}")
+
+
 def validate(c: ModelConfig) -> ModelConfig:
-    """Checks every cross-field constraint; raises ConfigError naming the field."""
-    positive = [
-        "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "moe_intermediate_size",
-        "n_routed_experts", "num_experts_per_tok", "linear_num_heads", "linear_head_dim",
-        "linear_conv_kernel_dim", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
-        "qk_nope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk", "index_kpool",
-        "hc_mult", "hc_sinkhorn_iters",
-    ]  # fmt: skip
-    for f in positive:
-        v = getattr(c, f)
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise _err(f, f"must be a positive integer, got {v!r}")
-    for f in ("num_nextn_predict_layers", "n_shared_experts"):
-        v = getattr(c, f)
-        if not isinstance(v, int) or v < 0:
-            raise _err(f, f"must be a non-negative integer, got {v!r}")
+    """Checks every field's type and every cross-field constraint; raises ConfigError naming the field."""
+    _check_types(c)
+    _check_counts(c)
     n = c.num_hidden_layers
     for f, kinds in (
         ("layer_types", ATTN_KINDS),
@@ -201,7 +247,7 @@ def validate(c: ModelConfig) -> ModelConfig:
     for f in ("rms_norm_eps", "hc_eps", "index_norm_eps"):
         if not getattr(c, f) > 0:
             raise _err(f, f"must be > 0, got {getattr(c, f)}")
-    if not 0 <= c.pad_token_id < c.vocab_size:
+    if c.pad_token_id is not None and not 0 <= c.pad_token_id < c.vocab_size:
         raise _err("pad_token_id", f"{c.pad_token_id} outside vocab of {c.vocab_size}")
     for t in c.eos_token_ids:
         if not 0 <= t < c.vocab_size:

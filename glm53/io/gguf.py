@@ -4,7 +4,7 @@ A file is read through a byte source (local path or HTTP URL, see `glm53.io.sour
 metadata, tensor infos) is parsed from a few read-ahead chunks, and tensor bytes are read by offset on demand.
 Nothing is mapped and no file is read whole. Every length and count field is checked against the bytes left in
 the file (and a cap) before anything is allocated or looped over; any malformed input raises `GGUFError`,
-whose message names the file and the problem.
+whose message names the file and the problem. Metadata values and the index cursor: `glm53.io.gguf_values`.
 
 Shapes: `TensorInfo.dims` is ggml order (dims[0] is the contiguous row length); `TensorInfo.shape` is numpy
 order, i.e. reversed dims.
@@ -26,6 +26,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from glm53.errors import GGUFError
+from glm53.io.gguf_values import DEFAULT_READAHEAD, Cursor, GGUFValue, read_value, value_type
 from glm53.io.sources import ByteSource, SourceError, is_url, open_source
 from glm53.quant.formats import QuantFormat, UnknownFormatError, get_format
 
@@ -44,36 +45,9 @@ SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_NAME_BYTES = 65535  # keys and tensor names
-MAX_STRING_BYTES = 256 << 20
-MAX_ARRAY_ITEMS = 1 << 28
-MAX_ARRAY_DEPTH = 8  # arrays of arrays of ...
 MAX_COUNT = 1 << 24  # tensors or key/value pairs in one file
-DEFAULT_READAHEAD = 1 << 20  # first index read; each further read doubles, up to MAX_READAHEAD
-MAX_READAHEAD = 64 << 20
 _INT64_MAX = (1 << 63) - 1
 
-_SCALAR_FMT: dict[GGUFValueType, str] = {
-    GGUFValueType.UINT8: "<B",
-    GGUFValueType.INT8: "<b",
-    GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h",
-    GGUFValueType.UINT32: "<I",
-    GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f",
-    GGUFValueType.BOOL: "<B",
-    GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q",
-    GGUFValueType.FLOAT64: "<d",
-}
-_SCALAR_DTYPE: dict[GGUFValueType, np.dtype] = {
-    t: np.dtype(f) for t, f in _SCALAR_FMT.items() if t != GGUFValueType.BOOL
-}
-_SCALAR_DTYPE[GGUFValueType.BOOL] = np.dtype("u1")
-# Smallest encoding of one array item of each type: scalars their size, a string its u64 length,
-# an array its u32 type + u64 count.
-_MIN_ITEM_BYTES = {t: struct.calcsize(f) for t, f in _SCALAR_FMT.items()}
-_MIN_ITEM_BYTES[GGUFValueType.STRING] = 8
-_MIN_ITEM_BYTES[GGUFValueType.ARRAY] = 12
 _MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, smallest value
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
 
@@ -89,30 +63,6 @@ _PLAIN_TENSOR_DTYPE = {
 }
 
 _SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
-
-
-@dataclasses.dataclass(frozen=True)
-class GGUFValue:
-    """One metadata value.
-
-    `value`: int / float / bool / str for scalars; for arrays a 1-D numpy array (numeric and bool items),
-    a list of str (string items) or a list of GGUFValue (array items). Strings are decoded as UTF-8 with
-    `surrogateescape`, so invalid bytes survive: `s.encode("utf-8", "surrogateescape")`.
-    """
-
-    type: GGUFValueType
-    value: Any
-    item_type: GGUFValueType | None = None  # arrays only
-
-    def to_python(self) -> Any:
-        """The value as plain Python: arrays become (nested) lists."""
-        if self.type != GGUFValueType.ARRAY:
-            return self.value
-        if self.item_type == GGUFValueType.ARRAY:
-            return [v.to_python() for v in self.value]
-        if self.item_type == GGUFValueType.STRING:
-            return list(self.value)
-        return self.value.tolist()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,95 +109,7 @@ class TensorInfo:
         raise ValueError(f"tensor {self.name!r} ({self.type_name}, shape {self.shape}) has no row structure")
 
 
-class _Cursor:
-    """Sequential reads of the index with read-ahead: each source read is at least `chunk` bytes, doubling."""
-
-    def __init__(self, source: ByteSource, name: str, chunk: int):
-        self.src, self.name, self.size = source, name, source.size
-        self.pos = 0
-        self._buf = memoryview(b"")
-        self._buf_start = 0
-        self._chunk = max(1, chunk)
-
-    def fail(self, problem: str) -> GGUFError:
-        return GGUFError(f"{self.name}: {problem}")
-
-    def remaining(self) -> int:
-        return self.size - self.pos
-
-    def take(self, n: int, what: str) -> memoryview:
-        end = self.pos + n
-        if n < 0 or end > self.size:
-            raise self.fail(f"truncated {what}: needs bytes [{self.pos}, {end}) but the file has {self.size}")
-        buf_end = self._buf_start + len(self._buf)
-        if end > buf_end:
-            keep = self._buf[self.pos - self._buf_start :]
-            fetch = min(max(end - buf_end, self._chunk), self.size - buf_end)
-            try:
-                new = self.src.read(buf_end, fetch)
-            except SourceError as e:
-                raise self.fail(f"cannot read {what}: {e}") from e
-            self._chunk = min(2 * self._chunk, MAX_READAHEAD)
-            self._buf = memoryview(bytes(keep) + new)
-            self._buf_start = self.pos
-        out = self._buf[self.pos - self._buf_start : end - self._buf_start]
-        self.pos = end
-        return out
-
-    def unpack(self, fmt: str, what: str) -> Any:
-        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
-
-    def string(self, what: str, cap: int, strict: bool) -> str:
-        n = self.unpack("<Q", f"length of {what}")
-        if n > min(cap, self.remaining()):
-            raise self.fail(
-                f"{what} has length {n} at byte {self.pos - 8}, more than the {self.remaining()} bytes left"
-                + (f" or the cap of {cap}" if n > cap else "")
-            )
-        raw = self.take(n, what)
-        try:
-            return str(raw, "utf-8", "strict" if strict else "surrogateescape")
-        except UnicodeDecodeError as e:
-            raise self.fail(f"{what} at byte {self.pos - n} is not valid UTF-8: {e}") from None
-
-
-def _value_type(cur: _Cursor, raw: int, what: str) -> GGUFValueType:
-    try:
-        return GGUFValueType(raw)
-    except ValueError:
-        raise cur.fail(f"{what} has unknown value type id {raw} at byte {cur.pos - 4}") from None
-
-
-def _read_value(cur: _Cursor, vtype: GGUFValueType, what: str, depth: int = 0) -> GGUFValue:
-    if vtype == GGUFValueType.STRING:
-        return GGUFValue(vtype, cur.string(what, MAX_STRING_BYTES, strict=False))
-    if vtype != GGUFValueType.ARRAY:
-        v = cur.unpack(_SCALAR_FMT[vtype], what)
-        return GGUFValue(vtype, bool(v) if vtype == GGUFValueType.BOOL else v)
-    if depth >= MAX_ARRAY_DEPTH:
-        raise cur.fail(f"{what} nests arrays more than {MAX_ARRAY_DEPTH} deep")
-    itype = _value_type(cur, cur.unpack("<I", f"item type of {what}"), f"array {what}")
-    count = cur.unpack("<Q", f"item count of {what}")
-    if count > MAX_ARRAY_ITEMS or count * _MIN_ITEM_BYTES[itype] > cur.remaining():
-        raise cur.fail(
-            f"array {what} claims {count} items of type {itype.name}, which cannot fit in the "
-            f"{cur.remaining()} bytes left (cap {MAX_ARRAY_ITEMS} items)"
-        )
-    if itype in _SCALAR_DTYPE:
-        dt = _SCALAR_DTYPE[itype]
-        arr = np.frombuffer(cur.take(count * dt.itemsize, what), dtype=dt).astype(dt.newbyteorder("="))
-        return GGUFValue(vtype, arr.astype(bool) if itype == GGUFValueType.BOOL else arr, itype)
-    if itype == GGUFValueType.STRING:
-        items = [cur.string(f"{what}[{i}]", MAX_STRING_BYTES, strict=False) for i in range(count)]
-        return GGUFValue(vtype, items, itype)
-    items = []
-    for i in range(count):
-        sub = f"{what}[{i}]"
-        items.append(_read_value(cur, GGUFValueType.ARRAY, sub, depth + 1))
-    return GGUFValue(vtype, items, itype)
-
-
-def _type_sizes(cur: _Cursor, raw: int, what: str) -> tuple[int, int]:
+def _type_sizes(cur: Cursor, raw: int, what: str) -> tuple[int, int]:
     """(block_size, type_size) of a ggml type id: from glm53's formats, else from gguf-py's table."""
     try:
         f = get_format(raw)
@@ -280,13 +142,13 @@ class GGUFFile:
         self.name = name
         self.size = self.source.size
         try:
-            self._parse(_Cursor(self.source, name, readahead))
+            self._parse(Cursor(self.source, name, readahead))
         except BaseException:
             self.close()
             raise
 
     # ---- index ----------------------------------------------------------------------------------------------
-    def _parse(self, cur: _Cursor) -> None:
+    def _parse(self, cur: Cursor) -> None:
         magic = bytes(cur.take(4, "magic"))
         if magic != GGUF_MAGIC:
             raise cur.fail(f"bad magic {magic!r}, expected {GGUF_MAGIC!r}: not a GGUF file")
@@ -317,8 +179,8 @@ class GGUFFile:
             key = cur.string(f"key of metadata pair #{i}", MAX_NAME_BYTES, strict=True)
             if key in self.metadata:
                 raise cur.fail(f"duplicate metadata key {key!r} (pair #{i})")
-            vtype = _value_type(cur, cur.unpack("<I", f"value type of {key!r}"), f"metadata {key!r}")
-            self.metadata[key] = _read_value(cur, vtype, f"metadata {key!r}")
+            vtype = value_type(cur, cur.unpack("<I", f"value type of {key!r}"), f"metadata {key!r}")
+            self.metadata[key] = read_value(cur, vtype, f"metadata {key!r}")
 
         self.alignment = DEFAULT_ALIGNMENT
         if "general.alignment" in self.metadata:
@@ -329,9 +191,8 @@ class GGUFFile:
                 raise cur.fail(f"general.alignment = {a.value} is not a power of two")
             self.alignment = a.value
 
-        raw: list[
-            tuple[str, tuple[int, ...], int, int, int, int]
-        ] = []  # name, dims, type, rel offset, bs, ts
+        # name, dims, ggml type, offset in the data section, block size, type size
+        raw: list[tuple[str, tuple[int, ...], int, int, int, int]] = []
         seen: set[str] = set()
         for i in range(n_tensors):
             tname = cur.string(f"name of tensor #{i}", MAX_NAME_BYTES, strict=True)

@@ -2,21 +2,24 @@
 
 The safetensors format is an 8-byte little-endian header length, a JSON header
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`` and the raw little-endian
-tensor bytes. safetensors' own numpy loader cannot return bf16 or float8 arrays (numpy lacks those dtypes), so the
-header is parsed and validated here and tensors are read by offset into ml_dtypes arrays, one at a time.
+tensor bytes. A file is accepted exactly when the `safetensors` library accepts it (``safe_open`` validates
+the header: known dtypes, offsets that match each shape and tile the data section in order, no byte left over
+or missing). safetensors' numpy loader cannot return bf16 or float8 arrays (numpy lacks those dtypes), so
+tensors are then read by offset into ml_dtypes arrays, one at a time.
 
-Every failure (truncated file, bad header, unknown dtype, inconsistent offsets) raises `CheckpointError` naming
-the file and, where there is one, the tensor.
+Every failure raises `CheckpointError` naming the file and, where there is one, the tensor.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 
 import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from glm53.errors import CheckpointError
 
@@ -28,6 +31,10 @@ DTYPES: dict[str, np.dtype] = {
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E4M3FNUZ": np.dtype(ml_dtypes.float8_e4m3fnuz),
+    "F8_E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+    "C64": np.dtype(np.complex64),
     "I64": np.dtype(np.int64),
     "I32": np.dtype(np.int32),
     "I16": np.dtype(np.int16),
@@ -39,65 +46,60 @@ DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
 }
 
-_MAX_HEADER = 100 * 1024 * 1024  # the format's own limit
-
 
 class SafetensorsFile:
-    """One safetensors file: header validated on open, tensors read on demand with `read(name)` (a tensor whose
-    bytes lie past the end of a truncated file fails on read, naming it; the others stay readable)."""
+    """One safetensors file, validated on open by the `safetensors` library; tensors read on demand with
+    `read(name)`."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
         try:
-            self.size = os.path.getsize(self.path)
-            with open(self.path, "rb") as f:
-                raw = f.read(8)
-                if len(raw) < 8:
-                    raise self._err(f"file is {len(raw)} bytes, too short for a safetensors header")
-                (n,) = struct.unpack("<Q", raw)
-                if n > _MAX_HEADER or 8 + n > self.size:
-                    raise self._err(
-                        f"header length {n} does not fit the file ({self.size} bytes): truncated or "
-                        "not a safetensors file"
-                    )
-                header_bytes = f.read(n)
+            with safe_open(self.path, framework="numpy") as f:
+                self.metadata: dict[str, str] = f.metadata() or {}
+            n, header = self._header()
+        except SafetensorError as e:
+            raise self._rejected(str(e)) from None
         except OSError as e:
             raise CheckpointError(f"{self.path}: cannot read: {e.strerror or e}") from e
-        try:
-            header = json.loads(header_bytes.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise self._err(f"header is not valid JSON ({e})") from None
-        if not isinstance(header, dict):
-            raise self._err("header is not a JSON object")
-        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        header.pop("__metadata__", None)
         self._data_start = 8 + n
-        self.tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
-        for name, info in header.items():
-            self.tensors[name] = self._check_entry(name, info)
+        self.tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = {
+            name: (t["dtype"], tuple(t["shape"]), *t["data_offsets"]) for name, t in header.items()
+        }
 
     def _err(self, msg: str, tensor: str | None = None) -> CheckpointError:
         where = self.path if tensor is None else f"{self.path}, tensor '{tensor}'"
         return CheckpointError(f"{where}: {msg}")
 
-    def _check_entry(self, name: str, info) -> tuple[str, tuple[int, ...], int, int]:
+    def _rejected(self, why: str) -> CheckpointError:
+        """The library's verdict as a CheckpointError; a truncated file names the first tensor it lost."""
+        why = why.removeprefix("Error while deserializing header: ")
+        lost = self._lost_tensor() if "not fully covered" in why else None
+        if lost is not None:
+            tensor, (begin, end), have = lost
+            msg = f"data [{begin}, {end}) runs past the file's {have} data bytes: the file is truncated"
+            return self._err(f"{msg} (safetensors: {why})", tensor)
+        named = re.search(r"tensor `(.*)`", why)
+        return self._err(f"not a valid safetensors file (safetensors: {why})", named and named.group(1))
+
+    def _header(self) -> tuple[int, dict]:
+        """(header length, the JSON header) as the file holds them."""
+        with open(self.path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            return n, json.loads(f.read(n))
+
+    def _lost_tensor(self) -> tuple[str, tuple[int, int], int] | None:
+        """(tensor, its data offsets, data bytes present) of the first tensor that runs past the end of the
+        file, or None; called once the library has parsed the header and found the data section wrong."""
         try:
-            dtype, shape, (begin, end) = (
-                info["dtype"],
-                tuple(int(s) for s in info["shape"]),
-                info["data_offsets"],
-            )
-        except (KeyError, TypeError, ValueError):
-            raise self._err(f"malformed header entry {info!r}", name) from None
-        if dtype not in DTYPES:
-            raise self._err(f"unknown dtype {dtype!r}", name)
-        if any(s < 0 for s in shape):
-            raise self._err(f"negative dimension in shape {shape}", name)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
-        if not (isinstance(begin, int) and isinstance(end, int)) or end - begin != nbytes or begin < 0:
-            raise self._err(
-                f"data offsets [{begin}, {end}) do not match {dtype} {list(shape)} ({nbytes} bytes)", name
-            )
-        return dtype, shape, begin, end
+            size = os.path.getsize(self.path)
+            n, header = self._header()
+        except OSError:
+            return None
+        header.pop("__metadata__", None)
+        have = size - 8 - n
+        spans = sorted((t["data_offsets"], name) for name, t in header.items())
+        return next(((name, tuple(span), have) for span, name in spans if span[1] > have), None)
 
     def keys(self) -> list[str]:
         return list(self.tensors)
@@ -114,12 +116,8 @@ class SafetensorsFile:
         if name not in self.tensors:
             raise self._err("no such tensor", name)
         dtype, shape, begin, end = self.tensors[name]
-        if self._data_start + end > self.size:
-            raise self._err(
-                f"data [{self._data_start + begin}, {self._data_start + end}) runs past the end of the file "
-                f"({self.size} bytes): the file is truncated",
-                name,
-            )
+        if dtype not in DTYPES:
+            raise self._err(f"dtype {dtype} has no numpy equivalent (sub-byte packed)", name)
         out = np.empty(shape, DTYPES[dtype])
         buf = memoryview(out.reshape(-1).view(np.uint8))
         try:

@@ -49,12 +49,35 @@ def is_url(s: str | os.PathLike) -> bool:
     return isinstance(s, str) and s.lower().startswith(("http://", "https://"))
 
 
-def _check_range(name: str, size: int, offset: int, n: int) -> None:
-    if offset < 0 or n < 0 or offset + n > size:
-        raise SourceError(f"{name}: byte range [{offset}, {offset + n}) is outside the file ({size} bytes)")
+class _Source:
+    """What every source shares: the range check, and `read` through `read_into`."""
+
+    name: str
+    size: int
+
+    def _check(self, offset: int, n: int) -> None:
+        if offset < 0 or n < 0 or offset + n > self.size:
+            raise SourceError(
+                f"{self.name}: byte range [{offset}, {offset + n}) is outside the file ({self.size} bytes)"
+            )
+
+    def _target(self, offset: int, out: memoryview) -> memoryview:
+        """`out` as bytes, once [offset, offset + its size) is checked to lie inside the file."""
+        out = memoryview(out).cast("B")
+        self._check(offset, out.nbytes)
+        return out
+
+    def read(self, offset: int, n: int) -> bytes:
+        self._check(offset, n)
+        buf = bytearray(n)
+        self.read_into(offset, memoryview(buf))
+        return bytes(buf)
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        raise NotImplementedError
 
 
-class LocalFileSource:
+class LocalFileSource(_Source):
     """A local file read by offset with os.pread (never mapped, never read whole)."""
 
     def __init__(self, path: str | os.PathLike):
@@ -76,15 +99,9 @@ class LocalFileSource:
             raise SourceError(f"{self.name}: read after close")
         return self._fd
 
-    def read(self, offset: int, n: int) -> bytes:
-        buf = bytearray(n)
-        self.read_into(offset, memoryview(buf))
-        return bytes(buf)
-
     def read_into(self, offset: int, out: memoryview) -> None:
-        out = memoryview(out).cast("B")
+        out = self._target(offset, out)
         n = out.nbytes
-        _check_range(self.name, self.size, offset, n)
         fd = self._fileno()
         done = 0
         while done < n:
@@ -109,7 +126,7 @@ class LocalFileSource:
             self._fd = None
 
 
-class MemorySource:
+class MemorySource(_Source):
     """Bytes already in memory (tests, fuzzing), behaving like a file named `name`."""
 
     def __init__(self, data: bytes | bytearray | memoryview, name: str = "<memory>"):
@@ -119,15 +136,8 @@ class MemorySource:
         self.bytes_read = 0
         self.n_reads = 0
 
-    def read(self, offset: int, n: int) -> bytes:
-        _check_range(self.name, self.size, offset, n)
-        self.bytes_read += n
-        self.n_reads += 1
-        return bytes(self._data[offset : offset + n])
-
     def read_into(self, offset: int, out: memoryview) -> None:
-        out = memoryview(out).cast("B")
-        _check_range(self.name, self.size, offset, out.nbytes)
+        out = self._target(offset, out)
         out[:] = self._data[offset : offset + out.nbytes]
         self.bytes_read += out.nbytes
         self.n_reads += 1
@@ -139,7 +149,7 @@ class MemorySource:
 _CONTENT_RANGE = re.compile(r"^\s*bytes\s+(?:(\d+)-(\d+)|\*)/(\d+|\*)\s*$", re.IGNORECASE)
 
 
-class HTTPSource:
+class HTTPSource(_Source):
     """A remote file read with HTTP Range requests (urllib). `n_requests` counts the requests made.
 
     The size comes from the Content-Range of the first request, which also returns the first `probe_bytes`
@@ -230,15 +240,9 @@ class HTTPSource:
         self.bytes_read += got
         return status, content_range, body
 
-    def read(self, offset: int, n: int) -> bytes:
-        buf = bytearray(n)
-        self.read_into(offset, memoryview(buf))
-        return bytes(buf)
-
     def read_into(self, offset: int, out: memoryview) -> None:
-        out = memoryview(out).cast("B")
+        out = self._target(offset, out)
         n = out.nbytes
-        _check_range(self.name, self.size, offset, n)
         if n == 0:
             return
         if offset + n <= len(self._head):

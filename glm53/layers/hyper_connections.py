@@ -1,5 +1,5 @@
 """mHC hyper-connection site: learned weights that collapse n residual streams into one sublayer input and
-expand the sublayer output back into the streams (architecture.md section 4)."""
+expand the sublayer output back into the streams (docs/architecture.md §5)."""
 
 from __future__ import annotations
 

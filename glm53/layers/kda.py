@@ -1,6 +1,6 @@
 """KDA attention layer (Kimi Delta Attention, GLM-5.3 checkpoint flavour) and its decode cache.
 
-Per token (architecture.md section 3): q/k/v projections -> causal short conv + SiLU -> per-head L2 norm of
+Per token (docs/architecture.md §6): q/k/v projections -> causal short conv + SiLU -> per-head L2 norm of
 q, k (eps 1e-6 inside the sqrt) -> gated delta rule with per-channel forget gate
 g = lower_bound * sigmoid(exp(A_log) * (f_b(f_a(u)) + dt_bias)) and beta = sigmoid(b_proj(u)) -> per-head
 RMSNorm of the output gated by sigmoid(g_b(g_a(u))) (f32) -> o_proj.
@@ -70,8 +70,8 @@ class KDA(nnx.Module):
     """Kimi Delta Attention layer: `y_btd, new_cache = layer(x_btd, cache=cache, start_b=start_b)`.
 
     Parameter names follow the design contract (the HF loader maps onto them); f32-kept as in transformers:
-    the conv weights, dt_bias and A_log. `implementation` selects the kernels.kda backend; sequences of
-    `recurrent_max_tokens` tokens or fewer use the recurrent kernel, longer ones the chunked kernel.
+    the conv weights, dt_bias and A_log. `implementation` selects the kernels.kda backend; a single token
+    (decode) uses the recurrent kernel, longer sequences the chunked kernel.
     """
 
     def __init__(
@@ -81,11 +81,9 @@ class KDA(nnx.Module):
         rngs: nnx.Rngs,
         dtype=jnp.float32,
         implementation: str = "reference",
-        recurrent_max_tokens: int = 1,
     ):
         self.cfg = cfg
         self.implementation = implementation
-        self.recurrent_max_tokens = recurrent_max_tokens
         D, H, d = cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim
         HD, r, K = H * d, cfg.kda_gate_rank, cfg.linear_conv_kernel_dim
         E, QKV, RANK = dims.EMBED, dims.KDA_QKV, dims.KDA_RANK
@@ -156,7 +154,7 @@ class KDA(nnx.Module):
         beta = jax.nn.sigmoid(self.b_proj(x_btd).astype(jnp.float32))  # [B, T, H]
 
         kw = dict(scale=d**-0.5, initial_state=state, implementation=self.implementation)
-        if T <= self.recurrent_max_tokens:
+        if T == 1:
             o, new_state = kda_api.recurrent_kda(q, k, v, g, beta, **kw)
         else:
             o, new_state = kda_api.chunk_kda(q, k, v, g, beta, **kw)  # o [B, T, H, d] in x dtype

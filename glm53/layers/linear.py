@@ -28,8 +28,7 @@ class Linear(nnx.Module):
         self.out_features = out_features
         self.kernel = param(rngs, (in_features, out_features), axes, dtype, std=std)
 
-    def __call__(self, x: jnp.ndarray, *, precision=None) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         if isinstance(self.kernel.get_value(), Int8Weight):  # int8 storage (checkpoint loader option)
-            return self.kernel.get_value().matmul(x, precision=precision)
-        w = self.kernel[...]
-        return jnp.matmul(x, w.astype(x.dtype), precision=precision)
+            return self.kernel.get_value().matmul(x)
+        return jnp.matmul(x, self.kernel[...].astype(x.dtype))

@@ -6,8 +6,8 @@ a 2-byte field costs 4 bytes per PAIR of input blocks held by a device. So plane
 every device holds an even number of blocks per row, and grow by 2 bytes per row, per 2-byte field, per device
 holding an odd count.
 
-The UD-IQ3_XXS routed experts (`UD_IQ3_XXS`, 126 tensors of 288 x 4096 x 2048 weights) are 109.87 GB of GGUF
-blocks. Repacked for 8 tensor-parallel devices they are 110.72 GB, 13.84 GB per device. Where the +849 MB comes
+The UD-IQ3_XXS routed experts (`glm53.quant.mixes.UD_IQ3_XXS`, 126 tensors of 288 x 4096 x 2048 weights) are
+109.87 GB of GGUF blocks. Repacked for 8 tensor-parallel devices they are 110.72 GB, 13.84 GB per device. Where the +849 MB comes
 from: gate/up [2048 out, 4096 in] split by output rows keep all 16 input blocks per row on every device, so their
 `d` pairs are whole (no growth). down [4096 out, 2048 in] is split by input: 8 blocks per row over 8 devices is ONE
 block per device, so each 2-byte field (`d` of IQ3_S, `d` and `scales_h` of IQ4_XS) takes a whole 4-byte word per
@@ -24,33 +24,11 @@ import math
 from collections.abc import Mapping, Sequence
 
 from glm53.quant.formats import QuantFormat, get_format
+from glm53.quant.layout import layout_format
+from glm53.quant.mixes import LAYOUTS, MATRICES, UD_IQ3_XXS
 from glm53.quant.planes import plane_words
 
 GB = 1e9  # decimal, as the audit article and the sizes on the Hub
-LAYOUTS = ("planes", "reencoded")
-MATRICES = ("gate", "up", "down")
-MOE_LAYERS = tuple(
-    range(3, 45)
-)  # the 42 routed-expert layers of the trunk (blk.45, the MTP layer, is not served)
-
-# The one UD-IQ3_XXS layer whose gate/up are IQ3_S. Public sources fix only the counts (82 IQ2_S, 41 IQ3_S,
-# 3 IQ4_XS) and that just three layers deviate (those with IQ4_XS down: 11, 12, 44); which of the three also has
-# IQ3_S gate/up is an assumption. No byte total below depends on it (gate/up are split by rows: no padding).
-IQ3_S_GATE_UP_LAYER = 44
-IQ4_XS_DOWN_LAYERS = (11, 12, 44)
-
-
-def _ud_iq3_xxs() -> dict[tuple[int, str], str]:
-    mix = {}
-    for layer in MOE_LAYERS:
-        gate_up = "IQ3_S" if layer == IQ3_S_GATE_UP_LAYER else "IQ2_S"
-        mix[(layer, "gate")] = gate_up
-        mix[(layer, "up")] = gate_up
-        mix[(layer, "down")] = "IQ4_XS" if layer in IQ4_XS_DOWN_LAYERS else "IQ3_S"
-    return mix
-
-
-UD_IQ3_XXS: dict[tuple[int, str], str] = _ud_iq3_xxs()  # (layer, "gate" | "up" | "down") -> GGUF format
 
 
 def expert_shape(
@@ -92,18 +70,6 @@ def gguf_nbytes(shape: Sequence[int], fmt: str | int | QuantFormat) -> int:
     return lead * rows * nb * f.type_size
 
 
-def layout_format(fmt: str | int | QuantFormat, layout: str) -> QuantFormat:
-    """The block layout stored in a plane layout: the GGUF format ("planes") or its re-encoding ("reencoded")."""
-    f = _fmt(fmt)
-    if layout == "planes":
-        return f
-    if layout == "reencoded":
-        from glm53.quant.reencode import reencoded_format
-
-        return reencoded_format(f)
-    raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
-
-
 def plane_nbytes(
     shape: Sequence[int],
     fmt: str | int | QuantFormat,
@@ -113,7 +79,8 @@ def plane_nbytes(
     """Bytes ONE device holds of a tensor [..., rows, cols] stored as planes, under `split`.
 
     split: None (whole tensor), ("rows", n) (output rows / n each) or ("blocks", n) (input blocks / n each; whole
-    blocks per device). layout: "planes" (GGUF bytes, planes.py) or "reencoded" (reencode.py; IQ2_S / IQ3_S only).
+    blocks per device). layout: "planes" (GGUF bytes, planes.py) or "reencoded" (reencode.py for IQ2_S / IQ3_S,
+    other formats as planes; `glm53.quant.layout.layout_format`).
     """
     f = layout_format(fmt, layout)
     lead, rows, nb = _shape(shape, f)
@@ -162,18 +129,15 @@ def expert_mix_nbytes(
     (IQ4_XS) as planes.
     """
     if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
-    from glm53.quant.reencode import REENCODED
-
+        raise ValueError(f"unknown layout {layout!r}; expected one of {list(LAYOUTS)}")
     gguf = per_dev = 0
     by_format: dict[str, int] = {}
     counts: dict[str, int] = {}
     for (layer, matrix), name in sorted(mix.items()):
         f = _fmt(name)
         shape = expert_shape(matrix, n_experts, d_model, d_ff)
-        lay = "reencoded" if layout == "reencoded" and f.name in REENCODED else "planes"
         try:
-            dev = plane_nbytes(shape, f, tp_split(matrix, n_devices), lay)
+            dev = plane_nbytes(shape, f, tp_split(matrix, n_devices), layout)
         except ValueError as e:
             raise ValueError(f"layer {layer} {matrix} ({f.name}): {e}") from None
         gguf += gguf_nbytes(shape, f)

@@ -27,7 +27,8 @@ NamedSharding over the TP mesh axis) then hands device i exactly `split_blocks(p
 
 `pack_planes` / `unpack_planes` run on the host (numpy) and round-trip the GGUF bytes exactly;
 `dequantize_planes` is jnp, jit-able, and decodes through the single decoder `glm53.quant.dequant.decode_fields`.
-Re-encoded (gather-free) layouts (reencode.py) reuse these planes with their own block formats.
+Re-encoded (gather-free) layouts (reencode.py) reuse these planes with their own block formats; layout.py
+unpacks and dequantizes planes of either layout.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from glm53.quant.dequant import decode_fields
 from glm53.quant.formats import Field, QuantFormat, get_format
 
 _PAIR = 2  # bytes of a field stored two blocks to a word
@@ -265,12 +267,6 @@ def pack_planes(
     return planes_from_fields(gguf_fields(raw, f, shape, name=name), f, tuple(shape)[-2:], block_splits)
 
 
-def _reencode_module():
-    from glm53.quant import reencode  # deferred: reencode builds on this module
-
-    return reencode
-
-
 def check_planes(planes: Planes) -> None:
     """Raises ValueError naming the field when a plane has the wrong shape or dtype for its format."""
     f = planes.fmt
@@ -289,13 +285,17 @@ def check_planes(planes: Planes) -> None:
             )
 
 
-def unpack_planes(planes: Planes) -> np.ndarray:
-    """Planes -> the GGUF bytes, uint8 [..., rows, n_blocks * type_size] (exact inverse of `pack_planes`).
-
-    Re-encoded planes (reencode.py) are converted back to their source GGUF format.
-    """
+def _check_gguf_layout(planes: Planes) -> None:
     if planes.fmt.ggml_type is None:
-        return _reencode_module().unpack_reencoded(planes)
+        raise ValueError(
+            f"{planes.fmt.name} planes hold a re-encoded layout; glm53.quant.layout unpacks and dequantizes those"
+        )
+
+
+def unpack_planes(planes: Planes) -> np.ndarray:
+    """Planes of a GGUF format -> its bytes, uint8 [..., rows, n_blocks * type_size] (exact inverse of
+    `pack_planes`)."""
+    _check_gguf_layout(planes)
     host = Planes(
         {k: np.asarray(v) for k, v in planes.fields.items()}, planes.fmt, planes.shape, planes.block_splits
     )
@@ -305,11 +305,8 @@ def unpack_planes(planes: Planes) -> np.ndarray:
 
 
 def dequantize_planes(planes: Planes) -> jnp.ndarray:
-    """Planes -> f32 [..., rows, cols] (jit-able; GGUF layouts decode with glm53.quant.dequant.decode_fields)."""
-    if planes.fmt.ggml_type is None:
-        return _reencode_module().dequantize_reencoded(planes)
-    from glm53.quant.dequant import decode_fields
-
+    """Planes of a GGUF format -> f32 [..., rows, cols] (jit-able; decoded by glm53.quant.dequant.decode_fields)."""
+    _check_gguf_layout(planes)
     fields = planes_to_fields(
         Planes(
             {k: jnp.asarray(v) for k, v in planes.fields.items()},

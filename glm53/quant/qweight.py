@@ -17,7 +17,7 @@ IQ2_S / IQ3_S in their gather-free re-encodings (`glm53.quant.reencode`) and eve
 
 Constructors: `from_gguf_bytes` (GGUF tensor bytes, for the GGUF loader), `from_dense` (quantize with ggml, for
 tests and ablations), `from_planes`, and `random` (a seeded random init usable under `nnx.eval_shape`).
-`ud_iq3_xxs_mix` / `expert_formats` turn a `QuantConfig` into a format per (layer, matrix).
+`expert_formats` turns a `QuantConfig` into the formats of one layer's experts.
 """
 
 from __future__ import annotations
@@ -29,30 +29,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from gguf import quants as gq
+from gguf.constants import GGMLQuantizationType
 
-from glm53.quant import budget
+from glm53.quant import budget, ggml
+from glm53.quant import layout as L
 from glm53.quant import planes as P
+from glm53.quant import reencode as R
 from glm53.quant.formats import FLOATS, QuantFormat, get_format
-
-LAYOUTS = ("planes", "reencoded")
-MATRICES = ("gate", "up", "down")
-
-
-def _reencode():
-    from glm53.quant import reencode  # deferred: reencode imports planes (no cycle, but keeps import light)
-
-    return reencode
-
-
-def layout_format(fmt: str | QuantFormat, layout: str) -> QuantFormat:
-    """The block layout held in the planes: the GGUF format itself, or its re-encoding where one exists."""
-    f = fmt if isinstance(fmt, QuantFormat) else get_format(fmt)
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown expert layout {layout!r}; expected one of {LAYOUTS}")
-    r = _reencode()
-    if layout == "reencoded" and f.name in r.REENCODED:
-        return r.REENCODED[f.name]
-    return f
+from glm53.quant.layout import layout_format
+from glm53.quant.mixes import MATRICES
 
 
 @struct.dataclass
@@ -84,13 +70,12 @@ class QuantizedExperts:
     @property
     def layout(self) -> str:
         """ "reencoded" when the planes hold a gather-free re-encoding, else "planes"."""
-        return "planes" if self.planes.fmt.ggml_type is not None else "reencoded"
+        return L.layout_of(self.planes.fmt)
 
     @property
     def format(self) -> QuantFormat:
         """The GGUF format of the weights (the re-encoding's source for the "reencoded" layout)."""
-        f = self.planes.fmt
-        return f if f.ggml_type is not None else _reencode().source_format(f)
+        return L.gguf_source(self.planes.fmt)
 
     @property
     def format_name(self) -> str:
@@ -124,7 +109,7 @@ class QuantizedExperts:
 
     def dequantize_rows(self, dtype=jnp.float32) -> jax.Array:
         """All experts in GGUF orientation [E, out, in] (jit-able)."""
-        return P.dequantize_planes(self.planes).astype(dtype)
+        return L.dequantize(self.planes).astype(dtype)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """The dense kernel [E, in, out] (jit-able)."""
@@ -132,7 +117,7 @@ class QuantizedExperts:
 
     def to_gguf_bytes(self) -> np.ndarray:
         """The GGUF bytes, uint8 [E, out, n_blocks * type_size] (host; exact inverse of `from_gguf_bytes`)."""
-        return P.unpack_planes(self.planes)
+        return L.unpack(self.planes)
 
     def check_like(self, template: QuantizedExperts, name: str = "expert tensor") -> None:
         """Raises ValueError naming `name` when shape, format or layout differ from `template`'s."""
@@ -178,12 +163,7 @@ class QuantizedExperts:
             raise ValueError(
                 f"{name or 'expert tensor'} ({f.name}): shape must be [E, rows, cols], got {tuple(shape)}"
             )
-        lf = layout_format(f, layout)
-        if lf.ggml_type is None:
-            planes = _reencode().pack_reencoded(raw, f, shape, block_splits=block_splits, name=name)
-        else:
-            planes = P.pack_planes(raw, f, shape, block_splits=block_splits, name=name)
-        return cls(planes)
+        return cls(L.pack(raw, f, shape, layout, block_splits=block_splits, name=name))
 
     @classmethod
     def from_dense(
@@ -199,8 +179,6 @@ class QuantizedExperts:
 
         imatrix: optional per-input importance [in] (types that need one get all ones by default).
         """
-        from glm53.quant import ggml
-
         w = np.asarray(w_kernel, dtype=np.float32)
         if w.ndim != 3:
             raise ValueError(f"from_dense: kernel must be [E, in, out], got shape {w.shape}")
@@ -267,9 +245,6 @@ def _block_pool(src_name: str, layout_name: str, std: float) -> dict[str, np.nda
     `dmin`) get random values in a 1:3 range, scaled so the pool's weights have RMS `std` (every weight is linear
     in (d, dmin)).
     """
-    from gguf import quants as gq
-    from gguf.constants import GGMLQuantizationType
-
     f = get_format(src_name)
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, size=(_POOL, f.type_size), dtype=np.uint8)
@@ -287,8 +262,8 @@ def _block_pool(src_name: str, layout_name: str, std: float) -> dict[str, np.nda
     set_scales(std / max(float(np.sqrt(np.mean(w * w))), 1e-30))
     lf = f
     if layout_name != src_name:
-        lf = _reencode().REENCODED[src_name]
-        raw = _reencode().reencode(raw, f)  # [_POOL, re-encoded type_size]
+        lf = R.reencoded_format(f)
+        raw = R.reencode(raw, f)  # [_POOL, re-encoded type_size]
     out = {}
     for fd in lf.fields:
         b = np.ascontiguousarray(raw[:, fd.offset : fd.offset + fd.nbytes])
@@ -296,53 +271,22 @@ def _block_pool(src_name: str, layout_name: str, std: float) -> dict[str, np.nda
     return out
 
 
-# ---------------------------------------------------------------------------------------------- format mixes
-# The release's UD-IQ3_XXS deviations sit at MoE ordinals 8, 9 (layers 11, 12) and 41 (layer 44) of 42.
-_UD_N = len(budget.MOE_LAYERS)
-_UD_DOWN_ORDINALS = tuple(budget.MOE_LAYERS.index(i) for i in budget.IQ4_XS_DOWN_LAYERS)
-_UD_GATE_UP_ORDINAL = budget.MOE_LAYERS.index(budget.IQ3_S_GATE_UP_LAYER)
-
-
-def ud_iq3_xxs_mix(moe_layers: Sequence[int]) -> dict[tuple[int, str], str]:
-    """The UD-IQ3_XXS expert mix {(layer, matrix): format} for a model whose MoE layers are `moe_layers`.
-
-    For the release's 42 MoE layers (3..44) this is `budget.UD_IQ3_XXS` exactly. Rule for any other count n:
-    gate/up IQ2_S and down IQ3_S, except that MoE ordinal j = floor(i * n / 42) gets the release's deviation
-    of ordinal i (i = 8, 9, 41: IQ4_XS down; i = 41: IQ3_S gate/up), i.e. the deviations keep their relative
-    depth (for n = 42 the rule is the identity).
-    """
-    layers = [int(x) for x in moe_layers]
-    if tuple(layers) == budget.MOE_LAYERS:
-        return dict(budget.UD_IQ3_XXS)
-    n = len(layers)
-    down = {layers[i * n // _UD_N] for i in _UD_DOWN_ORDINALS} if n else set()
-    gate_up = {layers[_UD_GATE_UP_ORDINAL * n // _UD_N]} if n else set()
-    mix = {}
-    for layer in layers:
-        gu = "IQ3_S" if layer in gate_up else "IQ2_S"
-        mix[(layer, "gate")] = mix[(layer, "up")] = gu
-        mix[(layer, "down")] = "IQ4_XS" if layer in down else "IQ3_S"
-    return mix
-
-
 def expert_formats(quant, cfg, layer_idx: int | None) -> dict[str, str] | None:
     """{"gate", "up", "down"} -> GGUF format of the routed experts of MoE layer `layer_idx` under `quant`
     (a `glm53.config.QuantConfig` or None), or None for dense experts.
 
-    layer_idx None is the MTP block: a single format or a per-matrix mapping applies to it as to every MoE
-    layer; the UD-IQ3_XXS table covers the trunk only, so under "ud_iq3_xxs" the MTP experts stay dense.
+    layer_idx None is the MTP block (GGUF block `num_hidden_layers`): it gets the mix's per-matrix formats and
+    its overrides; the UD-IQ3_XXS table covers the trunk only, so under a UD mix the MTP experts stay dense.
     """
-    if quant is None or quant.experts == "none":
+    mix = None if quant is None else quant.mix
+    if mix is None:
         return None
-    spec = quant.experts
-    if spec == "ud_iq3_xxs":
-        if layer_idx is None:
+    moe = [i for i, t in enumerate(cfg.mlp_layer_types) if t == "moe"]
+    if layer_idx is None:
+        if mix.ud:
             return None
-        moe = [i for i, t in enumerate(cfg.mlp_layer_types) if t == "moe"]
-        mix = ud_iq3_xxs_mix(moe)
-        if (layer_idx, "gate") not in mix:
-            raise ValueError(f"layer {layer_idx} is not a MoE layer of this config (MoE layers {moe})")
-        return {m: mix[(layer_idx, m)] for m in MATRICES}
-    if isinstance(spec, str):
-        return {m: spec for m in MATRICES}
-    return dict(spec)
+        layer_idx = cfg.num_hidden_layers
+    elif layer_idx not in moe:
+        raise ValueError(f"layer {layer_idx} is not a MoE layer of this config (MoE layers {moe})")
+    mix = mix.resolve(moe)
+    return {m: mix.format(layer_idx, m) for m in MATRICES}

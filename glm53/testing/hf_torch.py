@@ -2,10 +2,13 @@
 reference that parity tests and benchmarks compare against (same weights, saved as an HF folder that glm53 loads
 through its real checkpoint loader).
 
-torch and transformers are imported inside the functions, so this module imports without them.
+Needs the `test` extra (torch, transformers); the modeling code never imports this package.
 """
 
 from __future__ import annotations
+
+import torch
+from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
 from glm53.config import ModelConfig, as_hf_text_config
 
@@ -15,8 +18,6 @@ TINY_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, o
 
 def hf_config(cfg: ModelConfig):
     """The transformers `Glm5NextConfig` of `cfg` (with a tiny vision tower, untied embeddings)."""
-    from transformers import Glm5NextConfig
-
     text = as_hf_text_config(cfg)
     text["index_kpool"] = cfg.index_kpool  # transformers' class default is 16; always pass it
     return Glm5NextConfig(text_config=text, vision_config=dict(TINY_VISION), tie_word_embeddings=False)
@@ -26,8 +27,6 @@ def randomize_(model, seed: int, std: float = 0.08) -> None:
     """Every parameter of the torch `model` drawn at random (in place), including those whose default init is
     constant (norm weights, A_log, dt_bias, KPool ape / gate, k_norm bias, mHC base / scale,
     e_score_correction_bias). Matrices get N(0, min(std, 1.5 / sqrt(fan_in))^2)."""
-    import torch
-
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -59,9 +58,6 @@ def randomize_(model, seed: int, std: float = 0.08) -> None:
 
 def random_hf_model(cfg: ModelConfig, seed: int):
     """A randomized fp32 eager-attention `Glm5NextForConditionalGeneration` of `cfg`, in eval mode."""
-    import torch
-    from transformers import Glm5NextForConditionalGeneration
-
     torch.manual_seed(seed)
     model = Glm5NextForConditionalGeneration._from_config(
         hf_config(cfg), attn_implementation="eager", torch_dtype=torch.float32
@@ -72,8 +68,6 @@ def random_hf_model(cfg: ModelConfig, seed: int):
 
 def hf_logits(model, ids):
     """Logits [B, T, V] (f32 torch tensor) of a whole-sequence forward without cache."""
-    import torch
-
     with torch.no_grad():
         out = model(input_ids=torch.as_tensor(ids, dtype=torch.long), use_cache=False)
     return out.logits.float()

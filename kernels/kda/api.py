@@ -4,29 +4,23 @@ Inputs (all backends): q, k [B, T, H, dk] already L2-normalised; v [B, T, H, dv]
 log-decay per key channel (<= 0); beta [B, T, H]; `scale` multiplies q inside the op; initial_state
 [B, H, dk, dv] (None = zeros). Both return (o [B, T, H, dv] in v.dtype, final_state [B, H, dk, dv] float32).
 Any T >= 1.
-A backend that cannot handle a shape raises NotImplementedError and the call falls back to "reference".
+Implementations: "reference" (pure jnp, the oracle) and "auto" (the backend's choice in `_AUTO`, reference
+where it names none). A named implementation that cannot take the inputs raises NotImplementedError; only
+"auto" falls back to "reference" (`kernels.dispatch`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax.numpy as jnp
 
+from kernels import dispatch
 from kernels.kda import reference
 
-# name -> (chunk_fn, recurrent_fn)
-IMPLEMENTATIONS: dict[str, tuple[Callable, Callable]] = {
-    "reference": (reference.chunk_kda, reference.recurrent_kda),
-}
-
-
-def _lookup(implementation: str, which: int) -> Callable:
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"kernels.kda: unknown implementation {implementation!r}; choose one of {sorted(IMPLEMENTATIONS)}"
-        )
-    return IMPLEMENTATIONS[implementation][which]
+# A backend registers in both tables under one name.
+_CHUNK = {"reference": reference.chunk_kda}
+_RECURRENT = {"reference": reference.recurrent_kda}
+_AUTO: dict[str, str] = {}  # backend -> implementation "auto" runs
+IMPLEMENTATIONS = (dispatch.AUTO, *_CHUNK)
 
 
 def _check(op: str, q, k, v, g, beta, initial_state) -> None:
@@ -65,12 +59,8 @@ def chunk_kda(
     _check("chunk_kda", q, k, v, g, beta, initial_state)
     if chunk_size < 1:
         raise ValueError(f"chunk_kda: chunk_size must be positive, got {chunk_size}")
-    fn = _lookup(implementation, 0)
     kw = dict(scale=scale, initial_state=initial_state, chunk_size=chunk_size)
-    try:
-        return fn(q, k, v, g, beta, **kw)
-    except NotImplementedError:
-        return reference.chunk_kda(q, k, v, g, beta, **kw)
+    return dispatch.call("chunk_kda", implementation, _CHUNK, _AUTO, q, k, v, g, beta, **kw)
 
 
 def recurrent_kda(
@@ -86,9 +76,5 @@ def recurrent_kda(
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Token-by-token KDA (decode); returns (o, final_state). See the module docstring for shapes."""
     _check("recurrent_kda", q, k, v, g, beta, initial_state)
-    fn = _lookup(implementation, 1)
     kw = dict(scale=scale, initial_state=initial_state)
-    try:
-        return fn(q, k, v, g, beta, **kw)
-    except NotImplementedError:
-        return reference.recurrent_kda(q, k, v, g, beta, **kw)
+    return dispatch.call("recurrent_kda", implementation, _RECURRENT, _AUTO, q, k, v, g, beta, **kw)

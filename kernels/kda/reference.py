@@ -53,6 +53,11 @@ def _einsum(spec: str, *xs: jnp.ndarray) -> jnp.ndarray:
     return jnp.einsum(spec, *xs, precision=_HI)
 
 
+def _state0(initial_state: jnp.ndarray | None, shape: tuple[int, ...]) -> jnp.ndarray:
+    """The starting state [B, H, dk, dv] in f32 (zeros when None)."""
+    return jnp.zeros(shape, jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+
+
 def _suffix_sum(g: jnp.ndarray, axis: int) -> jnp.ndarray:
     """out_j = sum_{s > j} g_s along `axis` (exclusive reverse cumsum, summed directly)."""
     incl = jax.lax.cumsum(g, axis=axis % g.ndim, reverse=True)
@@ -159,10 +164,7 @@ def chunk_kda(
     kd = k * jnp.exp(_suffix_sum(g, axis=-2))  # decay from token j to the chunk end
     gl = jnp.exp(G[..., -1, :])  # [B, H, N, dk]
 
-    if initial_state is None:
-        s0 = jnp.zeros((B, H, dk, dv), jnp.float32)
-    else:
-        s0 = initial_state.astype(jnp.float32)
+    s0 = _state0(initial_state, (B, H, dk, dv))
 
     def step(s, xs):  # s [B, H, dk, dv]
         U_n, W_n, qg_n, kd_n, gl_n, A_n = xs
@@ -193,10 +195,7 @@ def recurrent_kda(
     out_dtype = v.dtype
     q, k, v, g, beta = (jnp.moveaxis(x.astype(jnp.float32), 1, 0) for x in (q, k, v, g, beta))
     q = q * scale
-    if initial_state is None:
-        s0 = jnp.zeros((B, H, dk, dv), jnp.float32)
-    else:
-        s0 = initial_state.astype(jnp.float32)
+    s0 = _state0(initial_state, (B, H, dk, dv))
 
     def step(s, xs):  # s [B, H, dk, dv]
         q_t, k_t, v_t, g_t, b_t = xs  # [B, H, dk] / [B, H, dv] / [B, H]

@@ -1,24 +1,20 @@
 """mHC kernel api: `mhc_pre` (mixing weights + collapsed input) and `mhc_post` (stream update).
 
-Both take `implementation=`; "reference" (pure jnp, f32 weights) is the default and the oracle. Backends added
-later register in `_PRE` / `_POST`.
+Both take `implementation=`: "reference" (pure jnp, f32 weights; the default and the oracle) or "auto" (the
+backend's choice in `_AUTO`, reference where it names none). Backends register in `_PRE` / `_POST`; a named
+one that cannot take the inputs raises NotImplementedError, only "auto" falls back (`kernels.dispatch`).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
+from kernels import dispatch
 from kernels.mhc import reference
 
 _PRE = {"reference": reference.mhc_pre}
 _POST = {"reference": reference.mhc_post}
-
-
-def _pick(table: dict, implementation: str, op: str):
-    try:
-        return table[implementation]
-    except KeyError:
-        raise ValueError(f"{op}: unknown implementation {implementation!r}; valid: {sorted(table)}") from None
+_AUTO: dict[str, str] = {}  # backend -> implementation "auto" runs
 
 
 def mhc_pre(
@@ -57,9 +53,8 @@ def mhc_pre(
         raise ValueError(f"mhc_pre: scale must be [3], got {scale.shape}")
     if sinkhorn_iters < 1:
         raise ValueError(f"mhc_pre: sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
-    return _pick(_PRE, implementation, "mhc_pre")(
-        x_btnd, fn, base, scale, eps=eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters
-    )
+    kw = dict(eps=eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)
+    return dispatch.call("mhc_pre", implementation, _PRE, _AUTO, x_btnd, fn, base, scale, **kw)
 
 
 def mhc_post(
@@ -85,4 +80,4 @@ def mhc_post(
     ):
         if a.shape != want:
             raise ValueError(f"mhc_post: {name} must have shape {want} for x {x_btnd.shape}, got {a.shape}")
-    return _pick(_POST, implementation, "mhc_post")(x_btnd, y_btd, post_btn, comb_btnn)
+    return dispatch.call("mhc_post", implementation, _POST, _AUTO, x_btnd, y_btd, post_btn, comb_btnn)

@@ -7,28 +7,28 @@ of those kernel shapes (any mix). Implementations:
                       dequantized whole first. The oracle.
   dense_einsum        every expert on every token, masked (tiny sizes only).
   xla_quant           plain XLA, cost per distinct routed expert (kernels.moe.xla_quant): the GPU / CPU path.
-                      Picks its decode form when T*K <= decode_max_slots, else its prefill form;
-                      xla_quant_decode / xla_quant_prefill force one.
-  pallas_tpu          Pallas TPU kernels (kernels.moe.pallas_tpu): decode (grid over distinct experts) when
-                      T*K <= decode_max_slots, else prefill (ragged grouped GEMM); pallas_tpu_decode /
-                      pallas_tpu_prefill force one. Needs QuantizedExperts or dense weights the kernels take.
-  auto                by backend (`jax.default_backend()`): tpu -> pallas_tpu, gpu / cpu -> xla_quant, then by
-                      routed slots as above.
+                      xla_quant_decode / xla_quant_prefill force one form.
+  pallas_tpu          Pallas TPU kernels on QuantizedExperts in the formats they decode: decode (grid over
+                      distinct experts, kernels.moe.pallas_tpu_decode) or prefill (ragged grouped GEMM,
+                      kernels.moe.pallas_tpu_prefill); pallas_tpu_decode / pallas_tpu_prefill force one. Off TPU
+                      the kernels run in interpret mode (correct, slow).
+  auto                by backend (`jax.default_backend()`): tpu -> pallas_tpu, gpu / cpu -> xla_quant, any
+                      other -> reference.
 
-An implementation that raises NotImplementedError (a format, layout or shape its kernels do not take, or a
-backend module that is not there) falls back to "reference" at trace time.
+xla_quant, pallas_tpu and auto take their decode form when the routed slots T*K <= decode_max_slots, else
+their prefill form (`select_implementation`, the one decode / prefill rule). A named implementation that
+cannot take the inputs (a format, layout or weight type its kernels do not handle) raises NotImplementedError;
+only "auto" falls back to "reference" then, logging the reason once (`kernels.dispatch`).
 """
 
 from __future__ import annotations
-
-import functools
-import logging
 
 import jax
 import jax.numpy as jnp
 
 from glm53.quant.qweight import QuantizedExperts
-from kernels.moe import reference, xla_quant
+from kernels import dispatch
+from kernels.moe import pallas_tpu_decode, pallas_tpu_prefill, reference, xla_quant
 from kernels.moe.reference import clamped_swiglu
 
 __all__ = [
@@ -40,27 +40,21 @@ __all__ = [
 ]
 
 DEFAULT_DECODE_MAX_SLOTS = 64
-_log = logging.getLogger(__name__)
 
 
 def _pallas_tpu(mode: str):
-    """The Pallas TPU decode / prefill entry (kernels.moe.pallas_tpu.moe_decode / moe_prefill), imported on first
-    use. Weights must be QuantizedExperts in formats the kernels decode; anything else raises NotImplementedError.
-    Off TPU the kernels run in interpret mode (correct, slow)."""
+    """The Pallas TPU decode / prefill entry on the planes of QuantizedExperts (interpret mode off TPU)."""
 
     def run(x_td, topk_ids_tk, topk_w_tk, w_gate, w_up, w_down, swiglu_limit):
-        try:
-            from kernels.moe import pallas_tpu
-        except ImportError as e:
-            raise NotImplementedError(f"pallas_tpu: kernels.moe.pallas_tpu is not available ({e})") from None
         ws = (w_gate, w_up, w_down)
         if not all(isinstance(w, QuantizedExperts) for w in ws):
             kinds = [type(w).__name__ for w in ws]
-            raise NotImplementedError(f"pallas_tpu: needs QuantizedExperts for gate/up/down, got {kinds}")
-        planes = [w.planes for w in ws]
-        pallas_tpu.check_supported(*planes)
-        fn = pallas_tpu.moe_decode if mode == "decode" else pallas_tpu.moe_prefill
+            raise NotImplementedError(
+                f"the Pallas kernels need QuantizedExperts for gate/up/down, got {kinds}"
+            )
+        fn = pallas_tpu_decode.moe_decode if mode == "decode" else pallas_tpu_prefill.moe_prefill
         interpret = jax.default_backend() != "tpu"
+        planes = [w.planes for w in ws]
         return fn(x_td, topk_ids_tk, topk_w_tk, *planes, swiglu_limit=swiglu_limit, interpret=interpret)
 
     return run
@@ -75,7 +69,8 @@ _IMPLEMENTATIONS = {
     "pallas_tpu_prefill": _pallas_tpu("prefill"),
 }
 _BY_SLOTS = ("xla_quant", "pallas_tpu")  # pick <name>_decode / <name>_prefill by routed slots
-IMPLEMENTATIONS = ("auto", *_BY_SLOTS, *_IMPLEMENTATIONS)
+_AUTO = {"tpu": "pallas_tpu", "gpu": "xla_quant", "cpu": "xla_quant"}  # backend -> what "auto" runs
+IMPLEMENTATIONS = (dispatch.AUTO, *_BY_SLOTS, *_IMPLEMENTATIONS)
 
 
 def select_implementation(
@@ -86,23 +81,14 @@ def select_implementation(
 ) -> str:
     """The concrete implementation `moe_experts` runs for `implementation` and T*K = `n_slots` routed slots.
 
-    "auto": tpu -> pallas_tpu, anything else (gpu, cpu) -> xla_quant; xla_quant / pallas_tpu then take their
-    decode form when n_slots <= decode_max_slots, else their prefill form. Unknown names raise ValueError.
+    "auto": by `backend` (default `jax.default_backend()`, see the module docstring); xla_quant / pallas_tpu
+    then take their decode form when n_slots <= decode_max_slots, else their prefill form. Unknown names raise
+    ValueError.
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"moe_experts: unknown implementation {implementation!r}; valid: {sorted(IMPLEMENTATIONS)}"
-        )
-    if implementation == "auto":
-        implementation = "pallas_tpu" if (backend or jax.default_backend()) == "tpu" else "xla_quant"
-    if implementation in _BY_SLOTS:
-        implementation += "_decode" if n_slots <= decode_max_slots else "_prefill"
-    return implementation
-
-
-@functools.cache
-def _warn_fallback(name: str, reason: str) -> None:
-    _log.warning("moe_experts: %s not available for these weights (%s); using reference", name, reason)
+    name = dispatch.resolve("moe_experts", implementation, IMPLEMENTATIONS, _AUTO, backend)
+    if name in _BY_SLOTS:
+        name += "_decode" if n_slots <= decode_max_slots else "_prefill"
+    return name
 
 
 def moe_experts(
@@ -131,11 +117,6 @@ def moe_experts(
     Returns:
       [T, D] in x's dtype.
     """
-    if len(topk_ids_tk.shape) != 2:
-        raise ValueError(f"moe_experts: topk_ids_tk must be [T, K], got shape {tuple(topk_ids_tk.shape)}")
-    name = select_implementation(
-        implementation, topk_ids_tk.shape[0] * topk_ids_tk.shape[1], decode_max_slots
-    )
     if len(x_td.shape) != 2:
         raise ValueError(f"moe_experts: x_td must be [T, D], got shape {tuple(x_td.shape)}")
     t, d = x_td.shape
@@ -158,11 +139,6 @@ def moe_experts(
             )
     if not swiglu_limit > 0:
         raise ValueError(f"moe_experts: swiglu_limit must be > 0, got {swiglu_limit}")
+    name = select_implementation(implementation, t * topk_ids_tk.shape[1], decode_max_slots)
     args = (x_td, topk_ids_tk, topk_w_tk, w_gate, w_up, w_down, swiglu_limit)
-    try:
-        return _IMPLEMENTATIONS[name](*args)
-    except NotImplementedError as e:
-        if name == "reference":
-            raise
-        _warn_fallback(name, str(e))
-        return reference.moe_experts(*args)
+    return dispatch.run("moe_experts", implementation, name, _IMPLEMENTATIONS, *args)

@@ -109,11 +109,6 @@ def check_supported(
         )
 
 
-def unit_cols(fmt: QuantFormat, cols: int) -> int:
-    """Inputs per decode unit: the block size of block formats, all of `cols` for dense formats."""
-    return cols if fmt.name in DENSE_FORMATS else fmt.block_size
-
-
 def _order_spec(fmt: QuantFormat, cols: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(dims, axes) of the whole matrix's input order: reshape `cols` to dims, transpose by axes."""
     if fmt.name in ("F16", "BF16"):  # word j holds inputs 2 j (low half) and 2 j + 1 (high half)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from glm53.quant.qweight import QuantizedExperts
+from kernels.moe import routing
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -74,10 +75,8 @@ def moe_experts(
     e = w_gate.shape[0]
     if t * k < e and not any(isinstance(w, QuantizedExperts) for w in (w_gate, w_up, w_down)):
         return moe_experts_gathered(x_td, topk_ids_tk, topk_w_tk, w_gate, w_up, w_down, swiglu_limit)
-    ids = topk_ids_tk.reshape(t * k).astype(jnp.int32)  # slot s = token * k + j
-    order = jnp.argsort(ids, stable=True)  # [T*K] slots sorted by expert
+    ids, order, group_sizes, _ = routing.sort_by_expert(topk_ids_tk, e)  # slot s = token * k + j
     tok = (order // k).astype(jnp.int32)  # token of each sorted slot
-    group_sizes = jnp.bincount(ids, length=e).astype(jnp.int32)  # id == E is not counted
     xs = x_td[tok]  # [T*K, D]
     g = grouped_matmul(xs, w_gate, group_sizes)  # [T*K, F] f32
     u = grouped_matmul(xs, w_up, group_sizes)
@@ -102,7 +101,7 @@ def moe_experts_gathered(
     (T*K expert matrices read: the cheap path for few slots)."""
     t, k = topk_ids_tk.shape
     e = w_gate.shape[0]
-    ids = topk_ids_tk.reshape(t * k).astype(jnp.int32)  # slot s = token * k + j
+    ids = routing.clean_ids(topk_ids_tk, e)  # slot s = token * k + j
     safe = jnp.where(ids < e, ids, 0)  # empty slots (id E) read expert 0 and get weight 0
     xs = jnp.repeat(x_td, k, axis=0)  # [T*K, D]
 

@@ -1,9 +1,9 @@
 """Routed experts in plain XLA with quantized (or dense) weights: cost per DISTINCT expert, not per weight tensor.
 
-This is the GPU / CPU path of `kernels.moe.api.moe_experts` (and the fallback for shapes a Pallas kernel does not
-take). Weights are `glm53.quant.qweight.QuantizedExperts` or dense kernels [E, in, out]; every expert weight
-reaches the math through `dequantize_experts` (gather the experts' planes on the expert axis, dequantize just
-those), so a step never dequantizes an expert no slot was routed to.
+This is the GPU / CPU path of `kernels.moe.api.moe_experts`. Weights are `glm53.quant.qweight.QuantizedExperts`
+or dense kernels [E, in, out]; every expert weight reaches the math through `dequantize_experts` (gather the
+experts' planes on the expert axis, dequantize just those), so a step never dequantizes an expert no slot was
+routed to.
 
 - decode (`moe_experts_decode`, few routed slots): the distinct routed experts are found (`jnp.unique` with a
   static bound min(T*K, E)) and processed `experts_per_step` at a time in a loop whose trip count is dynamic,
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from glm53.quant.qweight import QuantizedExperts
+from kernels.moe import routing
 from kernels.moe.reference import clamped_swiglu
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -46,18 +47,10 @@ def _mm(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(spec, a, b, precision=_HIGHEST, preferred_element_type=jnp.float32)
 
 
-def _clean_ids(topk_ids_tk: jax.Array, e: int) -> jax.Array:
-    """Flat slot ids [T*K] with anything outside [0, E) mapped to E (the empty slot)."""
-    flat = topk_ids_tk.reshape(-1).astype(jnp.int32)
-    return jnp.where((flat >= 0) & (flat < e), flat, e)
-
-
-def distinct_experts(topk_ids_tk: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
-    """(ids [min(T*K, E)] of the distinct routed experts ascending, padded with E; their count U)."""
-    t, k = topk_ids_tk.shape
-    n_max = max(1, min(t * k, n_experts))
-    uniq = jnp.unique(_clean_ids(topk_ids_tk, n_experts), size=n_max, fill_value=n_experts)
-    return uniq, jnp.sum(uniq < n_experts).astype(jnp.int32)
+def _ffn(spec_in: str, spec_out: str, x: jax.Array, wg, wu, wd, swiglu_limit: float) -> jax.Array:
+    """down(clamped_swiglu(x gate, x up)) in f32, x's dtype between the matmuls (einsum specs in / out)."""
+    h = clamped_swiglu(_mm(spec_in, x, wg), _mm(spec_in, x, wu), swiglu_limit)
+    return _mm(spec_out, h.astype(x.dtype), wd)
 
 
 def moe_experts_decode(
@@ -77,21 +70,18 @@ def moe_experts_decode(
     if t * k == 0:
         return jnp.zeros_like(x_td)
     c = max(1, min(experts_per_step, e, t * k))
-    uniq, n_u = distinct_experts(topk_ids_tk, e)
+    uniq, n_u = routing.distinct_experts(topk_ids_tk, e)
     n_pad = -(-uniq.shape[0] // c) * c
     uniq = jnp.concatenate([uniq, jnp.full((n_pad - uniq.shape[0],), e, jnp.int32)])  # [n_pad]
-    ids_tk = _clean_ids(topk_ids_tk, e).reshape(t, k)
+    ids_tk = routing.clean_ids(topk_ids_tk, e).reshape(t, k)
     w_tk = topk_w_tk.astype(jnp.float32)
 
     def step(i, y_td):
         u_c = lax.dynamic_slice(uniq, (i * c,), (c,))  # [C] expert ids (E = padding)
         hit = (ids_tk[:, :, None] == u_c[None, None, :]) & (u_c < e)[None, None, :]  # [T, K, C]
         comb_tc = jnp.sum(jnp.where(hit, w_tk[:, :, None], 0.0), axis=1)  # [T, C] routing weight per expert
-        wg = dequantize_experts(w_gate, u_c, x_td.dtype)  # [C, F, D]
-        wu = dequantize_experts(w_up, u_c, x_td.dtype)  # [C, F, D]
-        wd = dequantize_experts(w_down, u_c, x_td.dtype)  # [C, D, F]
-        h = clamped_swiglu(_mm("td,cfd->ctf", x_td, wg), _mm("td,cfd->ctf", x_td, wu), swiglu_limit)
-        o = _mm("ctf,cdf->ctd", h.astype(x_td.dtype), wd)  # [C, T, D] f32
+        wg, wu, wd = (dequantize_experts(w, u_c, x_td.dtype) for w in (w_gate, w_up, w_down))  # [C, out, in]
+        o = _ffn("td,cfd->ctf", "ctf,cdf->ctd", x_td, wg, wu, wd, swiglu_limit)  # [C, T, D] f32
         return y_td + jnp.einsum("tc,ctd->td", comb_tc, o, precision=_HIGHEST)
 
     n_steps = (n_u + c - 1) // c
@@ -117,27 +107,21 @@ def moe_experts_prefill(
     if s == 0:
         return jnp.zeros_like(x_td)
     tm = max(1, min(tile_rows, s))
-    flat = _clean_ids(topk_ids_tk, e)  # [S]
-    order = jnp.argsort(flat, stable=True)  # slots sorted by expert (empty slots last)
+    flat, order, sizes, starts = routing.sort_by_expert(topk_ids_tk, e)  # [S], [S], [E], [E]
     tok = (order // k).astype(jnp.int32)  # token of each sorted slot
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)  # [E] rows per expert (E not counted)
-    starts = jnp.cumsum(sizes) - sizes  # [E] first sorted row of each expert
     xs = jnp.concatenate([x_td[tok], jnp.zeros((tm, d), x_td.dtype)])  # [S + tm, D]
     routed = jnp.nonzero(sizes > 0, size=e, fill_value=e)[0].astype(jnp.int32)  # [E], E = padding
     n_u = jnp.sum(sizes > 0).astype(jnp.int32)
 
     def expert(i, out):
         ex = routed[i][None]  # [1]
-        wg = dequantize_experts(w_gate, ex, x_td.dtype)[0]  # [F, D]
-        wu = dequantize_experts(w_up, ex, x_td.dtype)[0]
-        wd = dequantize_experts(w_down, ex, x_td.dtype)[0]  # [D, F]
+        wg, wu, wd = (dequantize_experts(w, ex, x_td.dtype)[0] for w in (w_gate, w_up, w_down))  # [out, in]
         size, start = sizes[ex[0]], starts[ex[0]]
 
         def tile(j, out):
             r0 = start + j * tm
             xt = lax.dynamic_slice(xs, (r0, 0), (tm, d))  # [tm, D]
-            h = clamped_swiglu(_mm("md,fd->mf", xt, wg), _mm("md,fd->mf", xt, wu), swiglu_limit)
-            o = _mm("mf,df->md", h.astype(x_td.dtype), wd)  # [tm, D] f32
+            o = _ffn("md,fd->mf", "mf,df->md", xt, wg, wu, wd, swiglu_limit)  # [tm, D] f32
             mine = (j * tm + jnp.arange(tm)) < size  # rows of this expert
             old = lax.dynamic_slice(out, (r0, 0), (tm, d))
             return lax.dynamic_update_slice(out, jnp.where(mine[:, None], o, old), (r0, 0))
@@ -148,19 +132,3 @@ def moe_experts_prefill(
     w_sorted = jnp.where(flat[order] < e, topk_w_tk.reshape(s).astype(jnp.float32)[order], 0.0)
     y = jax.ops.segment_sum(out[:s] * w_sorted[:, None], tok, num_segments=t)  # [T, D] f32
     return y.astype(x_td.dtype)
-
-
-def moe_experts(
-    x_td: jax.Array,
-    topk_ids_tk: jax.Array,
-    topk_w_tk: jax.Array,
-    w_gate,
-    w_up,
-    w_down,
-    swiglu_limit: float,
-    *,
-    decode_max_slots: int = 64,
-) -> jax.Array:
-    """Decode path when T*K <= decode_max_slots, else the prefill path."""
-    fn = moe_experts_decode if topk_ids_tk.size <= decode_max_slots else moe_experts_prefill
-    return fn(x_td, topk_ids_tk, topk_w_tk, w_gate, w_up, w_down, swiglu_limit)

@@ -10,25 +10,24 @@ A selection is index-shaped so block-sparse backends can gather whole pools: ``p
 [B, T, K] (selected pool p covers keys kpool*p .. kpool*p + kpool-1; -1 = empty slot; order irrelevant) plus
 ``q_pos_bt`` int32 [B, T], the absolute position of each query, from which causality and the always-visible
 tail {kpool*floor((q+1)/kpool) .. q} follow. Every implementation accumulates in f32 and returns q's dtype.
+
+Implementations: "reference" (masked dense attention, the oracle) and "auto" (the backend's choice in `_AUTO`,
+reference where it names none); a named one that cannot take the inputs raises NotImplementedError, only
+"auto" falls back (`kernels.dispatch`).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
+from kernels import dispatch
 from kernels.sparse_mla import reference
 
 _MLA = {"reference": reference.sparse_mla}
 _MHA = {"reference": reference.sparse_mha}
+_AUTO: dict[str, str] = {}  # backend -> implementation "auto" runs
 
 selection_mask = reference.selection_mask
-
-
-def _pick(table: dict, implementation: str, op: str):
-    try:
-        return table[implementation]
-    except KeyError:
-        raise ValueError(f"{op}: unknown implementation {implementation!r}; valid: {sorted(table)}") from None
 
 
 def _check_selection(op: str, b: int, t: int, pool_ids_btk: jnp.ndarray, q_pos_bt: jnp.ndarray, kpool: int):
@@ -71,8 +70,10 @@ def sparse_mla(
     if latent_bsr.shape[0] != b or latent_bsr.shape[2] != r:
         raise ValueError(f"sparse_mla: latent {latent_bsr.shape} does not match queries {q_bthr.shape}")
     _check_selection("sparse_mla", b, t, pool_ids_btk, q_pos_bt, kpool)
-    fn = _pick(_MLA, implementation, "sparse_mla")
-    return fn(q_bthr, latent_bsr, pool_ids_btk, q_pos_bt, kpool=kpool, scale=scale, select_tail=select_tail)
+    kw = dict(kpool=kpool, scale=scale, select_tail=select_tail)
+    return dispatch.call(
+        "sparse_mla", implementation, _MLA, _AUTO, q_bthr, latent_bsr, pool_ids_btk, q_pos_bt, **kw
+    )
 
 
 def sparse_mha(
@@ -94,7 +95,6 @@ def sparse_mha(
     if k_bshc.shape[0] != b or k_bshc.shape[2:] != (h, c) or v_bshe.shape[:3] != k_bshc.shape[:3]:
         raise ValueError(f"sparse_mha: q {q_bthc.shape}, k {k_bshc.shape}, v {v_bshe.shape} do not match")
     _check_selection("sparse_mha", b, t, pool_ids_btk, q_pos_bt, kpool)
-    fn = _pick(_MHA, implementation, "sparse_mha")
-    return fn(
-        q_bthc, k_bshc, v_bshe, pool_ids_btk, q_pos_bt, kpool=kpool, scale=scale, select_tail=select_tail
-    )
+    kw = dict(kpool=kpool, scale=scale, select_tail=select_tail)
+    args = (q_bthc, k_bshc, v_bshe, pool_ids_btk, q_pos_bt)
+    return dispatch.call("sparse_mha", implementation, _MHA, _AUTO, *args, **kw)

@@ -1,0 +1,302 @@
+"""glm53's own checkpoint format: Orbax arrays per conversion unit plus a JSON sidecar, restored straight into a
+(sharded) abstract model. `glm53.checkpoint.convert` writes it.
+
+Layout of a checkpoint directory OUT:
+
+    OUT/glm53_checkpoint.json     sidecar: model + quant config, dtype choices, units, manifest of every tensor
+    OUT/COMPLETE                  written last (before the final rename): marks the checkpoint complete
+    OUT/plan.json                 the conversion's arguments (what a resumed run must repeat)
+    OUT/units/<unit>/arrays/      an Orbax PyTree checkpoint of the unit's parameters (nested dict by path)
+    OUT/units/<unit>/manifest.json  the unit's tensors: path, kind, leaf shapes / dtypes, expert format / layout
+
+A unit is one group of parameters: "embed", "norm", "lm_head", "layers.<i>" (non-expert), "layers.<i>.experts"
+(routed experts), "mtp", "mtp.experts". Parameter kinds: "array" (bf16 / f32 ...), "int8" (`Int8Weight`: int8
+values + f32 per-output-channel scale) and "quantized" (`QuantizedExperts`: uint32 planes of the GGUF blocks in
+layout "planes" or "reencoded", always saved with block_splits = 1, i.e. independent of any mesh).
+
+Restore (`restore_model`): the model is built abstractly (`nnx.eval_shape`, or `glm53.parallel.
+abstract_sharded_model` on a mesh) and every leaf is read by Orbax with the leaf's target sharding
+(`ArrayRestoreArgs(sharding=...)`), so each device reads only the chunks of its own shard. Quantized experts
+whose input blocks are split over the mesh need the planes in `block_splits = n` layout: their 4-byte-word
+planes are identical in both layouts and are read sharded; the small 2-byte-field planes (f16 scales) are read
+with the word axis unsplit and re-paired on device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from glm53 import parallel as S
+from glm53.config import ModelConfig, model_config_from_dict, quant_config_from_dict
+from glm53.errors import CheckpointError
+from glm53.layers.param import Path, is_routed_expert, path_str
+from glm53.model import Glm53Model
+from glm53.quant import planes as P
+from glm53.quant.int8 import Int8Weight
+from glm53.quant.layout import layout_format
+from glm53.quant.qweight import QuantizedExperts
+
+FORMAT = "glm53-orbax"
+VERSION = 1
+META = "glm53_checkpoint.json"
+COMPLETE = "COMPLETE"
+PLAN = "plan.json"
+UNITS = "units"
+PARTIAL_SUFFIX = ".partial"
+
+
+# ------------------------------------------------------------------------------------------------ layout
+def unit_of(path: Path) -> str:
+    """The unit of a parameter path (module docstring)."""
+    base = f"layers.{path[1]}" if path[0] == "layers" else str(path[0])
+    return base + ".experts" if is_routed_expert(path) else base
+
+
+def describe(path: Path, value) -> tuple[dict[str, Any], Any]:
+    """(manifest entry, saved node) of one parameter value (host arrays): the node is an array, or a dict of
+    arrays for Int8Weight ("values", "scale") and QuantizedExperts ("planes" -> field -> uint32 plane)."""
+    entry: dict[str, Any] = {"path": path_str(path), "unit": unit_of(path)}
+    if isinstance(value, Int8Weight):
+        node = {"values": np.asarray(value.values), "scale": np.asarray(value.scale)}
+        entry.update(kind="int8", dtype=np.dtype(value.dtype).name)
+    elif isinstance(value, QuantizedExperts):
+        p = value.planes
+        node = {"planes": {k: np.asarray(v) for k, v in p.fields.items()}}
+        entry.update(kind="quantized", format=value.format_name, layout=value.layout, planes_format=p.fmt.name,
+                     matrix_shape=list(p.shape), block_splits=int(p.block_splits))  # fmt: skip
+    else:
+        node = np.asarray(value)
+        entry.update(kind="array", dtype=node.dtype.name)
+    entry["leaves"] = {
+        "/".join(str(getattr(k, "key", k)) for k in kp): {"shape": list(a.shape), "dtype": a.dtype.name}
+        for kp, a in jax.tree_util.tree_flatten_with_path(node)[0]
+    }
+    return entry, node
+
+
+def nest(items: dict[Path, Any]) -> dict:
+    """{path: node} as the nested dict Orbax saves (keys as strings)."""
+    tree: dict = {}
+    for path, node in items.items():
+        d = tree
+        for k in path[:-1]:
+            d = d.setdefault(str(k), {})
+        d[str(path[-1])] = node
+    return tree
+
+
+def _get(tree: dict, path: Path):
+    for k in path:
+        tree = tree[str(k)]
+    return tree
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether `path` looks like a glm53 Orbax checkpoint (complete or not): a directory with the sidecar,
+    the COMPLETE marker or a units/ directory. `read_metadata` says whether it is usable."""
+    path = os.fspath(path)
+    return os.path.isdir(path) and any(
+        os.path.exists(os.path.join(path, n)) for n in (META, COMPLETE, UNITS, PLAN)
+    )
+
+
+def read_metadata(ckpt_dir: str | os.PathLike) -> dict:
+    """The sidecar of a complete checkpoint; CheckpointError naming the directory when it is incomplete or
+    corrupted (no COMPLETE marker, unreadable sidecar, missing unit directories)."""
+    d = os.fspath(ckpt_dir)
+    if not os.path.isdir(d):
+        raise CheckpointError(f"{d}: not a checkpoint directory")
+    if not os.path.exists(os.path.join(d, COMPLETE)):
+        hint = " (an unfinished conversion: rerun it to resume)" if d.endswith(PARTIAL_SUFFIX) else ""
+        raise CheckpointError(f"{d}: incomplete glm53 checkpoint: no {COMPLETE} marker{hint}")
+    try:
+        with open(os.path.join(d, META)) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{d}: corrupted glm53 checkpoint: cannot read {META} ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise CheckpointError(f"{d}: {META} is not a {FORMAT} v{VERSION} sidecar")
+    missing = [u for u in meta.get("units", []) if not os.path.isdir(os.path.join(d, UNITS, u, "arrays"))]
+    if missing:
+        raise CheckpointError(f"{d}: corrupted glm53 checkpoint: unit directories missing: {missing}")
+    return meta
+
+
+# ------------------------------------------------------------------------------------------------ restore
+def _sds_sharding(abstract, default):
+    s = getattr(abstract, "sharding", None)
+    return s if isinstance(s, jax.sharding.Sharding) else default
+
+
+def _replicate_axis(sharding, axis: int):
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    spec = list(sharding.spec) + [None] * 8
+    spec[axis] = None
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[: axis + 1]))
+
+
+def _leaf_plan(entry: dict, var: nnx.Variable, mesh, rules, default, where: str):
+    """For one manifest entry and its model variable: {leaf name: (shape, restore dtype, sharding)} and a
+    function building the parameter value from the restored leaves."""
+    target = var.get_value()
+    leaves = entry["leaves"]
+    kind = entry.get("kind")
+    if kind == "array":
+        if isinstance(target, (QuantizedExperts, Int8Weight)) or list(target.shape) != leaves[""]["shape"]:
+            raise CheckpointError(
+                f"{where}: stored {kind} {leaves['']['shape']}, the model expects {target!r}"
+            )
+        return {"": (target.shape, target.dtype, _sds_sharding(target, default))}, lambda r: r[""]
+    if kind == "int8":
+        shape = tuple(leaves["values"]["shape"])
+        if isinstance(target, QuantizedExperts) or tuple(target.shape) != shape:
+            raise CheckpointError(f"{where}: stored int8 {list(shape)}, the model expects {target!r}")
+        vs = ss = default
+        if mesh is not None:
+            axes = S.param_axes(var, where)
+            vs = S.logical_to_sharding(axes, mesh, rules, shape, where)
+            ss = S.logical_to_sharding(axes[:-2] + axes[-1:], mesh, rules, leaves["scale"]["shape"], where)
+        dt = np.dtype(target.dtype)
+        return ({"values": (shape, np.int8, vs), "scale": (tuple(leaves["scale"]["shape"]), np.float32, ss)},
+                lambda r: Int8Weight(r["values"], r["scale"], dt))  # fmt: skip
+    if kind == "quantized":
+        return _quantized_plan(entry, var, target, mesh, rules, default, where)
+    raise CheckpointError(f"{where}: unknown tensor kind {kind!r}")
+
+
+def _quantized_plan(entry, var, target, mesh, rules, default, where):
+    if not isinstance(target, QuantizedExperts):
+        raise CheckpointError(
+            f"{where}: stored quantized experts ({entry['format']}), the model expects {target!r}"
+        )
+    if (entry["format"], entry["layout"]) != (target.format_name, target.layout):
+        raise CheckpointError(f"{where}: stored {entry['format']} ({entry['layout']}), the model expects "
+                              f"{target.format_name} ({target.layout})")  # fmt: skip
+    fmt = layout_format(entry["format"], entry["layout"])
+    shape, splits = tuple(entry["matrix_shape"]), int(entry["block_splits"])
+    if fmt.name != entry["planes_format"] or shape != tuple(target.planes.shape):
+        raise CheckpointError(f"{where}: stored planes {entry['planes_format']} {list(shape)}, the model expects "
+                              f"{fmt.name} {list(target.planes.shape)}")  # fmt: skip
+    relayout = splits != target.planes.block_splits
+    if relayout and (mesh is None or splits != 1):
+        raise CheckpointError(f"{where}: stored with block_splits={splits}, cannot lay out as "
+                              f"{target.planes.block_splits}")  # fmt: skip
+    plan = {}
+    for name, t in target.planes.fields.items():
+        key = f"planes/{name}"
+        if key not in entry["leaves"]:
+            raise CheckpointError(f"{where}: plane {name!r} missing from the checkpoint")
+        stored = tuple(entry["leaves"][key]["shape"])
+        sh = _sds_sharding(t, default)
+        if relayout and fmt.field(name).nbytes == 2:  # re-paired per block group: read the word axis whole
+            sh = _replicate_axis(sh, len(stored) - 2)
+        elif stored != tuple(t.shape):
+            raise CheckpointError(
+                f"{where}: plane {name!r} stored {list(stored)}, the model expects {list(t.shape)}"
+            )
+        plan[key] = (stored, np.uint32, sh)
+
+    def build(r):
+        fields = {k.split("/", 1)[1]: v for k, v in r.items()}
+        q = QuantizedExperts(P.Planes(fields, fmt, shape, splits))
+        if not relayout:
+            return q
+        axes = S.param_axes(var, where)
+        out = jax.tree.map(lambda a: _sds_sharding(a, default), target)
+        return jax.jit(lambda v: S.prepare_planes(v, axes, mesh, rules, where), out_shardings=out)(q)
+
+    return plan, build
+
+
+def restore_model(
+    ckpt_dir: str | os.PathLike,
+    mesh: jax.sharding.Mesh | None = None,
+    rules="tp",
+    *,
+    dtype=None,
+    kernels: dict[str, str] | None = None,
+    moe_dispatch: bool = True,
+) -> nnx.Module:
+    """The `Glm53Model` of a glm53 Orbax checkpoint, every leaf read straight into its place.
+
+    mesh: None puts everything on the default device; a mesh builds the model with
+    `glm53.parallel.abstract_sharded_model(..., rules)` and reads each leaf with its NamedSharding (each device
+    reads its shard only). dtype: parameter dtype (default: the one converted to; floats are cast on read).
+    kernels: implementation per kernel op (overrides the stored quant.moe_impl for "moe").
+    Raises CheckpointError naming the directory for incomplete / corrupted checkpoints and mismatches.
+    """
+    d = os.path.abspath(os.fspath(ckpt_dir))
+    meta = read_metadata(d)
+    try:
+        cfg = model_config_from_dict(meta["config"])
+        quant = None if meta.get("quant") is None else quant_config_from_dict(meta["quant"])
+        dtype = jnp.dtype(dtype if dtype is not None else meta["dtype"])
+        with_mtp = bool(meta["with_mtp"])
+        manifest = {e["path"]: e for e in meta["manifest"]}
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{d}: corrupted {META}: {e!r}") from None
+
+    def build():
+        return Glm53Model(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels, with_mtp=with_mtp, quant=quant)
+
+    abstract = (
+        nnx.eval_shape(build)
+        if mesh is None
+        else S.abstract_sharded_model(build, mesh, rules, moe_dispatch=moe_dispatch)
+    )
+    graphdef, state = nnx.split(abstract)
+    flat = {path_str(p): v for p, v in nnx.to_flat_state(state)}
+    missing, extra = sorted(set(flat) - set(manifest)), sorted(set(manifest) - set(flat))
+    if missing or extra:
+        raise CheckpointError(f"{d}: checkpoint does not match the model it describes: missing {missing[:10]}, "
+                              f"unexpected {extra[:10]}")  # fmt: skip
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    by_unit: dict[str, list[str]] = {}
+    for name, e in manifest.items():
+        by_unit.setdefault(e["unit"], []).append(name)
+    ckptr = ocp.PyTreeCheckpointer()
+    for unit, names in by_unit.items():
+        udir = os.path.join(d, UNITS, unit, "arrays")
+        plans, builders, item, args = {}, {}, {}, {}
+        for name in names:
+            path = tuple(int(k) if k.isdigit() else k for k in name.split("."))
+            plans[name], builders[name] = _leaf_plan(
+                manifest[name], flat[name], mesh, rules, default, f"{d}: {name}"
+            )
+            for leaf, (shape, dt, sh) in plans[name].items():
+                key = path + tuple(leaf.split("/")) if leaf else path
+                item[key] = jax.ShapeDtypeStruct(tuple(shape), dt, sharding=sh)
+                args[key] = ocp.ArrayRestoreArgs(sharding=sh, global_shape=tuple(shape), dtype=dt)
+        try:
+            restored = ckptr.restore(
+                udir, args=ocp.args.PyTreeRestore(item=nest(item), restore_args=nest(args))
+            )
+        except Exception as e:  # noqa: BLE001 -- Orbax / tensorstore raise many types
+            raise CheckpointError(f"{d}: corrupted glm53 checkpoint: cannot read unit {unit} ({udir}): "
+                                  f"{type(e).__name__}: {e}") from None  # fmt: skip
+        for name in names:
+            path = tuple(int(k) if k.isdigit() else k for k in name.split("."))
+            node = _get(restored, path)
+            r = {leaf: (_get(node, tuple(leaf.split("/"))) if leaf else node) for leaf in plans[name]}
+            for leaf, (shape, _, _) in plans[name].items():
+                if tuple(r[leaf].shape) != tuple(shape):
+                    raise CheckpointError(
+                        f"{d}: {name}/{leaf}: restored shape {r[leaf].shape}, expected {shape}"
+                    )
+            flat[name].set_value(builders[name](r))
+    return nnx.merge(graphdef, state)
+
+
+def load_checkpoint(ckpt_dir: str | os.PathLike, **kw) -> tuple[ModelConfig, nnx.Module]:
+    """(cfg, model) of a glm53 Orbax checkpoint (see `restore_model`)."""
+    model = restore_model(ckpt_dir, **kw)
+    return model.cfg, model
