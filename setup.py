@@ -21,7 +21,8 @@ setup(
     packages=find_packages(include=["glm53", "glm53.*", "kernels", "kernels.*"]),
     python_requires=">=3.10",
     install_requires=[
-        "jax>=0.10",
+        "jax==0.10.2",
+        "jaxlib==0.10.2",
         "flax>=0.12",
         "optax",
         "orbax-checkpoint",
@@ -36,6 +37,7 @@ setup(
     ],
     extras_require={
         "test": TEST,
-        "tpu": ["jax[tpu]"],
+        # libtpu: compiles for TPU on any host (tests marked tpu_compile); flatbuffers: jax.export serialization
+        "tpu": ["jax[tpu]==0.10.2", "flatbuffers"],
     },
 )

@@ -9,8 +9,9 @@ of records, the machine record last.
 
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
 
+from experiments import cli
 from glm53.benchmarks import dequant, harness
 from glm53.quant.formats import I_QUANTS, K_QUANTS
 
@@ -38,4 +39,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from absl import app, flags
 from ml_collections import config_flags
 
+from experiments import cli
 from glm53.benchmarks import harness
 from glm53.benchmarks import kernels as bench
 
@@ -48,4 +49,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

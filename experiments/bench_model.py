@@ -14,6 +14,7 @@ from __future__ import annotations
 from absl import app, flags
 
 from configs import tiny
+from experiments import cli
 from glm53.benchmarks import harness
 from glm53.benchmarks import model as bench
 from glm53.config import model_config_from_dict
@@ -50,4 +51,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

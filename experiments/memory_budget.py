@@ -16,6 +16,7 @@ from __future__ import annotations
 from absl import app, flags
 from ml_collections import config_flags
 
+from experiments import cli
 from glm53.config import ConfigError, model_config_from_dict
 from glm53.files import write_json
 from glm53.memory import budget
@@ -85,4 +86,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -12,44 +12,63 @@ without --config: the default mesh (every device on "model", tensor parallel).
 """
 
 import json
+import os
 
 import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import cli
 from glm53 import build, scoring
+from glm53.config import model_config_from_dict
 from glm53.files import atomic_write
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "experiment config (configs/*.py[:variant])", lock_config=True
 )
-_WEIGHTS = flags.DEFINE_string("weights", None, "HF safetensors folder or GGUF file")
+_WEIGHTS = flags.DEFINE_string("weights", None, "HF safetensors folder, Orbax checkpoint or GGUF file")
 _EXPERTS = flags.DEFINE_string("experts", None, "GGUF file with the routed experts (--weights: HF folder)")
 _TOKENS = flags.DEFINE_string("tokens", None, "JSON file: a list of token-id lists", required=True)
 _OUT = flags.DEFINE_string("out", "scores.npz", "output .npz")
-_DTYPE = flags.DEFINE_string("dtype", "float32", "parameter dtype when loading --weights")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", list(build.DTYPES), "parameter dtype when loading --weights")
+_MTP = flags.DEFINE_enum(
+    "mtp", "auto", list(build.MTP_CHOICES), "build the MTP block (auto: if the weights have it)"
+)
+_VERIFY = flags.DEFINE_bool("verify", True, "check the CRC-32 of every tensor of an Orbax checkpoint")
+
+
+def read_tokens(path: str, vocab_size: int | None = None, max_len: int | None = None) -> list[list[int]]:
+    """The sequences of a --tokens file (`scoring.check_sequences`); UsageError naming the flag otherwise."""
+    try:
+        with open(path) as f:
+            seqs = json.load(f)
+        scoring.check_sequences(seqs, vocab_size, max_len)
+    except (OSError, ValueError) as e:
+        raise app.UsageError(f"--tokens={path}: {e}") from None
+    return seqs
 
 
 def main(argv):
-    del argv
-    if (_WEIGHTS.value is None) == (_CONFIG.value is None):
-        raise app.UsageError("give exactly one of --weights or --config")
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if _WEIGHTS.value is None and _CONFIG.value is None:
+        raise app.UsageError("give --weights or --config (or both: --config then gives the mesh and quant)")
     if _EXPERTS.value and not _WEIGHTS.value:
         raise app.UsageError("--experts needs --weights=HF_DIR")
-    try:
-        with open(_TOKENS.value) as f:
-            seqs = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise app.UsageError(f"--tokens={_TOKENS.value}: {e}") from None
-    if not isinstance(seqs, list) or not all(
-        isinstance(s, list) and all(isinstance(t, int) for t in s) for s in seqs
-    ):
-        raise app.UsageError(f"--tokens={_TOKENS.value}: expected a JSON list of lists of integers")
+    out_dir = os.path.dirname(os.path.abspath(_OUT.value))
+    if not os.path.isdir(out_dir):
+        raise app.UsageError(f"--out={_OUT.value}: folder {out_dir} does not exist")
+    seqs = read_tokens(_TOKENS.value)
+    cfg = (build.weights_config(_WEIGHTS.value) if _WEIGHTS.value
+           else model_config_from_dict(_CONFIG.value.model))  # fmt: skip
+    read_tokens(_TOKENS.value, cfg.vocab_size, cfg.max_position_embeddings)
     run = build.sharded_model(
-        _CONFIG.value, weights=_WEIGHTS.value, experts=_EXPERTS.value, dtype=build.parse_dtype(_DTYPE.value)
-    )
-    logging.info("model config: %s", run.cfg)
-    print(f"mesh {dict(run.mesh.shape)}, rules {run.rules.name}")
+        _CONFIG.value, weights=_WEIGHTS.value, experts=_EXPERTS.value, dtype=build.parse_dtype(_DTYPE.value),
+        with_mtp=build.MTP_CHOICES[_MTP.value], verify=_VERIFY.value,
+    )  # fmt: skip
+    logging.debug("model config: %s", run.cfg)
+    print(build.describe_run(run, config_name=cli.config_name("config"), seed=_CONFIG.value and _CONFIG.value.seed,
+                             weights=_WEIGHTS.value))  # fmt: skip
     logits, nll = scoring.score(run.model, seqs)
     arrays = {f"logits_{i}": lg for i, lg in enumerate(logits)}
     arrays["nll"] = nll
@@ -61,4 +80,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

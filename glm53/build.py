@@ -9,6 +9,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -18,11 +19,13 @@ from glm53.config import (
     MeshConfig,
     ModelConfig,
     QuantConfig,
+    load_hf_config,
     mesh_config_from_dict,
     model_config_from_dict,
+    model_config_to_dict,
     quant_config_from_dict,
 )
-from glm53.errors import ShardingError
+from glm53.errors import CheckpointError, ConfigError, ShardingError
 from glm53.model import Glm53Model
 
 _log = logging.getLogger(__name__)
@@ -55,15 +58,35 @@ def model_from_experiment_config(config) -> tuple[ModelConfig, Glm53Model]:
     return cfg, random_model(cfg, seed=config.seed, dtype=parse_dtype(config.param_dtype), quant=quant)
 
 
+MTP_CHOICES = {"auto": None, "on": True, "off": False}
+
+
+def weights_config(weights: str) -> ModelConfig:
+    """The ModelConfig of weights on disk, read from their metadata only (no tensors): an Orbax checkpoint's
+    sidecar, an HF folder's config.json or a GGUF's metadata."""
+    if os.path.isdir(weights):
+        if orbax.is_checkpoint(weights):
+            try:
+                return model_config_from_dict(orbax.read_metadata(weights)["config"])
+            except (ConfigError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{weights}: corrupted {orbax.META}: {e}") from None
+        return load_hf_config(weights)
+    if os.path.isfile(weights):
+        with gguf.open_gguf_model(weights) as g:
+            return gguf.gguf_config(g)
+    raise CheckpointError(f"{weights}: neither a checkpoint folder nor a GGUF file")
+
+
 def load_model(
     weights: str, *, experts: str | None = None, dtype=jnp.float32, **kw
 ) -> tuple[ModelConfig, Glm53Model]:
     """A model from weights on disk, unsharded: an HF safetensors folder (bf16 / fp32 / FP8), a glm53 Orbax
     checkpoint folder (`experiments.convert`; floats cast to `dtype`) or a complete GGUF file; with `experts` (a
-    GGUF file), the HF folder's non-expert weights and that GGUF's routed experts."""
+    GGUF file), the HF folder's non-expert weights and that GGUF's routed experts. Keyword arguments go to the
+    loader (with_mtp: None builds the MTP block when the weights have one; `abstract_fn` places each tensor)."""
     if experts is not None:
         if not os.path.isdir(weights):
-            raise ValueError(
+            raise CheckpointError(
                 f"{weights}: with experts={experts!r} the weights must be an HF checkpoint folder"
             )
         return gguf.load_hybrid(weights, experts, dtype=dtype, **kw)
@@ -73,7 +96,20 @@ def load_model(
         return hf.load_hf_model(weights, dtype=dtype, **kw)
     if os.path.isfile(weights):
         return gguf.load_gguf_model(weights, dtype=dtype, **kw)
-    raise ValueError(f"{weights}: neither a checkpoint folder nor a GGUF file")
+    raise CheckpointError(f"{weights}: neither a checkpoint folder nor a GGUF file")
+
+
+def check_model_section(config, cfg: ModelConfig) -> None:
+    """ConfigError naming the first `config.model` field that differs from `cfg` (the weights' config)."""
+    if config is None or "model" not in config or config.model is None:
+        return
+    mine = model_config_to_dict(model_config_from_dict(config.model))
+    theirs = model_config_to_dict(cfg)
+    diff = [k for k in mine if mine[k] != theirs.get(k)]
+    if diff:
+        k = diff[0]
+        raise ConfigError(f"config.model.{k}={mine[k]!r}, but the weights have {k}={theirs.get(k)!r} "
+                          f"({len(diff)} field(s) differ: {diff[:8]}); the model shape comes from the weights")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ on a mesh
@@ -108,29 +144,62 @@ def experiment_mesh(config, cfg: ModelConfig) -> tuple[Mesh, S.Rules]:
 
 
 def sharded_model(
-    config=None, *, weights: str | None = None, experts: str | None = None, dtype=jnp.float32
+    config=None,
+    *,
+    weights: str | None = None,
+    experts: str | None = None,
+    dtype=jnp.float32,
+    with_mtp: bool | None = None,
+    verify: bool = True,
 ) -> ShardedModel:
     """The model an entry point runs, on the mesh of `config` (`experiment_mesh`).
 
     Without `weights`: the seeded random model of the experiment config (`model_from_experiment_config`),
-    initialized directly into its shardings. With `weights` (see `load_model`; `dtype` is the parameter dtype):
-    a glm53 Orbax checkpoint is read shard by shard; other weights are loaded, then placed by
-    `glm53.parallel.shard_model`.
+    initialized directly into its shardings (with_mtp False leaves the MTP block out). With `weights` (see
+    `load_model`; `dtype` is the parameter dtype): the model shape comes from the weights, `config` (optional)
+    gives the ``mesh`` section and, for GGUF experts, the ``quant`` section; a ``model`` section that disagrees
+    with the weights is a ConfigError (`check_model_section`). Every tensor is read straight into its shards
+    (an Orbax checkpoint leaf by leaf, checksums checked unless `verify` is False; HF / GGUF tensors placed by
+    `glm53.parallel.abstract_sharded_model`). with_mtp: None builds the MTP block when the weights have one.
     """
     if weights is None:
         cfg = model_config_from_dict(config.model)
         mesh, rules = experiment_mesh(config, cfg)
         quant = quant_from_experiment_config(config)
         dtype = parse_dtype(config.param_dtype)
+        mtp = with_mtp is not False
         model = S.init_sharded_model(
-            lambda: random_model(cfg, seed=config.seed, dtype=dtype, quant=quant), mesh, rules
+            lambda: random_model(cfg, seed=config.seed, dtype=dtype, quant=quant, with_mtp=mtp), mesh, rules
         )
-    elif experts is None and orbax.is_checkpoint(weights):
-        cfg = model_config_from_dict(orbax.read_metadata(weights)["config"])
-        mesh, rules = experiment_mesh(config, cfg)
-        model = orbax.restore_model(weights, mesh, rules, dtype=dtype)
+        return ShardedModel(cfg, model, mesh, rules)
+    cfg = weights_config(weights)
+    check_model_section(config, cfg)
+    mesh, rules = experiment_mesh(config, cfg)
+    if experts is None and orbax.is_checkpoint(weights):
+        model = orbax.restore_model(weights, mesh, rules, dtype=dtype, with_mtp=with_mtp, verify=verify)
     else:
-        cfg, model = load_model(weights, experts=experts, dtype=dtype)
-        mesh, rules = experiment_mesh(config, cfg)
-        model = S.shard_model(model, mesh, rules)
+        quant = quant_from_experiment_config(config) if config is not None else None
+        kw = {"quant": quant} if quant is not None else {}
+        if quant is not None and experts is None and os.path.isdir(weights):
+            raise ConfigError("config.quant: quantized experts need GGUF experts (--experts or a GGUF file)")
+        _, model = load_model(
+            weights, experts=experts, dtype=dtype, with_mtp=with_mtp,
+            abstract_fn=lambda build: S.abstract_sharded_model(build, mesh, rules), **kw,
+        )  # fmt: skip
     return ShardedModel(cfg, model, mesh, rules)
+
+
+def describe_run(run: ShardedModel, *, config_name: str | None = None, seed: int | None = None,
+                 weights: str | None = None) -> str:  # fmt: skip
+    """One line saying what an entry point runs: the weights (or the config and seed of a random model, whose
+    output is noise), the parameter count, the MTP block and the mesh."""
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(run.model, nnx.Param)))
+    what = (
+        f"weights {weights}"
+        if weights
+        else f"config {config_name}, random weights (seed {seed}): output is noise"
+    )
+    mtp = "with" if run.model.mtp is not None else "without"
+    return (
+        f"{what}; {n / 1e6:.2f}M parameters, {mtp} MTP; mesh {dict(run.mesh.shape)}, rules {run.rules.name}"
+    )

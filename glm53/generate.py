@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import time
 
 import jax
@@ -25,14 +26,47 @@ from glm53 import sampling
 from glm53.model import Cache, Glm53Model
 
 
+def _check_count(name: str, v, minimum: int = 0) -> None:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
+        raise ValueError(f"{name}={v!r}: must be an integer >= {minimum}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
+    """How to sample; ValueError naming the field for values outside their domain (`sampling.check_params`,
+    max_new >= 0: 0 generates nothing)."""
+
     temperature: float = 0.0  # 0 -> greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 -> no top-k filter
     max_new: int = 32
     eos_ids: tuple[int, ...] = ()
     seed: int = 0
+
+    def __post_init__(self):
+        sampling.check_params(self.temperature, self.top_p, self.top_k)
+        _check_count("max_new", self.max_new)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
+            raise ValueError(f"seed={self.seed!r}: must be an integer")
+
+
+def check_prompts(prompts, vocab_size: int, max_len: int, max_new: int = 0) -> None:
+    """ValueError unless `prompts` is a non-empty list of non-empty lists of token ids (ints, not bools) in
+    [0, vocab_size), each with room for `max_new` more tokens within `max_len` positions."""
+    if not isinstance(prompts, list) or not prompts:
+        raise ValueError("expected a non-empty list of prompts")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, list) or not p:
+            raise ValueError(f"prompt {i}: every prompt needs at least one token")
+        bad = [t for t in p if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if bad:
+            raise ValueError(f"prompt {i}: token ids must be integers, got {bad[:5]}")
+        out = [t for t in p if not 0 <= t < vocab_size]
+        if out:
+            raise ValueError(f"prompt {i}: token ids outside the vocabulary [0, {vocab_size}): {out[:5]}")
+        if len(p) + max_new > max_len:
+            raise ValueError(f"prompt {i}: {len(p)} tokens + max_new {max_new} exceed the model's "
+                             f"max_position_embeddings {max_len}")  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -144,9 +178,11 @@ class Generator:
     # ------------------------------------------------------------------------------------------- generation
     def generate(self, prompts: list[list[int]], sp: SamplingParams, *, max_len: int | None = None):
         """Generates up to sp.max_new tokens for each prompt (streams decoded together, each at its own position)."""
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("generate: every prompt needs at least one token")
+        prompts = [list(p) for p in prompts]
+        check_prompts(prompts, self.cfg.vocab_size, self.cfg.max_position_embeddings, sp.max_new)
         b = len(prompts)
+        if sp.max_new == 0:
+            return GenerationResult([[] for _ in range(b)], prefill_s=0.0, decode_s=0.0, decode_steps=0)
         max_len = max_len or max(len(p) for p in prompts) + sp.max_new + 1
         cache = self.init_cache(b, max_len)
         key = jax.random.key(sp.seed)
@@ -194,6 +230,11 @@ class Generator:
         """
         if not self.has_mtp:
             raise ValueError("generate_speculative needs a model with the MTP block")
+        _check_count("max_new", max_new)
+        prompt = list(prompt)
+        check_prompts([prompt], self.cfg.vocab_size, self.cfg.max_position_embeddings, max_new)
+        if max_new == 0:
+            return GenerationResult([[]], prefill_s=0.0, decode_s=0.0, decode_steps=0)
         max_len = max_len or len(prompt) + max_new + 2
         cache = self.init_cache(1, max_len)
         t0 = time.perf_counter()

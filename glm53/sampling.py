@@ -8,12 +8,30 @@ Per stream b (all parameters may be scalars or arrays [B]):
         the tokens before it is < p (the smallest prefix with mass >= p; the most likely token is always kept);
     and draw from the renormalized distribution with the stream's own key.
 k <= 0 disables top-k; p >= 1 disables top-p. `filtered_logprobs` exposes the exact distribution sampled from.
+`check_params` is the domain every caller's parameters must be in (entry points validate flags with it).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import jax
 import jax.numpy as jnp
+
+
+def check_params(temperature=0.0, top_p=1.0, top_k=0) -> None:
+    """ValueError naming the parameter unless temperature is finite and >= 0 (0: greedy), 0 < top_p <= 1 and
+    top_k is an integer >= 0 (0: off)."""
+    for name, v in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+            raise ValueError(f"{name}={v!r}: expected a finite number")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature!r}: must be >= 0 (0 = greedy)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r}: must be in (0, 1] (1 = off)")
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
+        raise ValueError(f"top_k={top_k!r}: must be an integer >= 0 (0 = off)")
 
 
 def _per_stream(x, b: int, dtype) -> jax.Array:

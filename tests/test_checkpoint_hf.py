@@ -18,7 +18,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
-from glm53.checkpoint import CheckpointError, SafetensorsFile, load_hf_checkpoint
+from glm53 import build
+from glm53.checkpoint import (
+    CheckpointError,
+    SafetensorsFile,
+    gguf_export,
+    load_hf_checkpoint,
+    load_hf_weights,
+)
+from glm53.checkpoint import gguf as gguf_ckpt
 from glm53.checkpoint.hf_rules import Mapped, classify
 from glm53.config import ModelConfig, as_hf_text_config
 from glm53.model import Glm53Model
@@ -317,12 +325,41 @@ def test_bf16_folder_and_mtp_handling(tiny, tmp_path):
         np.asarray(params[("layers", 3, "mlp", "router", "kernel")]).dtype == np.float32
     )  # the model keeps f32
     assert_params_equal(model, expected_params(sd, TINY, mtp=False))
-    # No MTP block in transformers' save: a model with one reports every MTP parameter missing, with the remedy.
+    # No MTP block in transformers' save: by default (auto) the model is built without one; requiring it is one
+    # CheckpointError; a model built with one reports every MTP parameter missing, with the remedy.
+    auto, _ = load_hf_checkpoint(tmp_path, TINY, dtype=jnp.bfloat16)
+    assert auto.mtp is None
+    assert_params_equal(auto, expected_params(sd, TINY, mtp=False))
+    with pytest.raises(CheckpointError, match="no MTP block") as err:
+        load_hf_checkpoint(tmp_path, TINY, dtype=jnp.bfloat16, with_mtp=True)
+    assert len(err.value.problems) == 1 and str(tmp_path) in str(err.value)
+    abstract = nnx.eval_shape(lambda: Glm53Model(TINY, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
     with pytest.raises(CheckpointError) as err:
-        load_hf_checkpoint(tmp_path, TINY, dtype=jnp.bfloat16)
+        load_hf_weights(tmp_path, abstract, TINY)
     missing = [p for p in err.value.problems if p.startswith("missing: mtp.")]
     assert len(missing) == len(err.value.problems) > 20
-    assert "with_mtp=False" in missing[0]
+    assert "--mtp=auto" in missing[0]
+
+
+def test_save_pretrained_folder_without_mtp_loads_everywhere(tiny, tmp_path):
+    """score / generate (`build.load_model`) and the GGUF converter take a transformers folder (no MTP block):
+    auto leaves the block out, on is a CheckpointError, off leaves it out of a GGUF that has one."""
+    m, _, sd = tiny
+    hf = tmp_path / "hf"
+    m.save_pretrained(hf)
+    cfg, model = build.load_model(str(hf), dtype=jnp.float32)
+    assert model.mtp is None
+    with pytest.raises(CheckpointError, match="no MTP block"):
+        build.load_model(str(hf), with_mtp=True)
+    gguf_path = str(tmp_path / "m.gguf")
+    gguf_export.convert_hf_to_gguf(str(hf), gguf_path)
+    _, from_gguf = build.load_model(gguf_path, dtype=jnp.float32)
+    assert from_gguf.mtp is None
+    assert (
+        set(model_params(from_gguf)) == set(model_params(model)) == set(expected_params(sd, TINY, mtp=False))
+    )
+    with pytest.raises(CheckpointError, match="no MTP block"):
+        gguf_ckpt.load_gguf_model(gguf_path, with_mtp=True)
 
 
 # ------------------------------------------------------------------------------------------------ FP8

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -236,13 +237,17 @@ def test_bad_checkpoints_raise_naming_the_directory(world, tmp_path):
     msg = broken("no_unit", lambda d: shutil.rmtree(os.path.join(d, "units", "layers.0")))
     assert "layers.0" in msg
 
-    def wrong_shape(d):
+    def wrong_shape(d, reseal=True):
         p = os.path.join(d, orbax_ckpt.META)
         meta = json.load(open(p))
         meta["config"]["vocab_size"] *= 2
         json.dump(meta, open(p, "w"))
+        if reseal:  # a consistent sidecar (its CRC-32 in COMPLETE updated) that does not match the arrays
+            c = os.path.join(d, orbax_ckpt.COMPLETE)
+            json.dump({**json.load(open(c)), "sidecar_crc32": zlib.crc32(open(p, "rb").read())}, open(c, "w"))
 
     assert "embed" in broken("wrong_shape", wrong_shape)
+    assert "CRC-32" in broken("edited_sidecar", lambda d: wrong_shape(d, reseal=False))
 
 
 def test_convert_and_score_cli(world, tmp_path):
@@ -304,3 +309,88 @@ def test_ud_mix_reencoded_layout_round_trip(tmp_path):
     for k in want:
         assert got[k].dtype == want[k].dtype, k
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def _data_files(d: str) -> list[str]:
+    return sorted(os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs)
+
+
+def test_flipped_bytes_in_an_array_file_are_a_checkpoint_error(world, tmp_path):
+    """64 bytes flipped in the middle of a unit's largest data file (zstd-compressed chunks): the restore raises
+    a CheckpointError naming the unit, and the tensor when the chunk still decodes (the CRC-32 check); without the
+    check (verify=False) such a chunk would restore as different numbers."""
+    d = str(tmp_path / "flipped")
+    shutil.copytree(world["ckpt"], d)
+    path = max(_data_files(os.path.join(d, "units", "layers.2", "arrays")), key=os.path.getsize)
+    at = os.path.getsize(path) // 2
+    with open(path, "r+b") as f:
+        f.seek(at)
+        chunk = f.read(64)
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+    with pytest.raises(CheckpointError) as e:
+        orbax_ckpt.restore_model(d)
+    msg = str(e.value)
+    assert d in msg and "unit layers.2" in msg, msg
+    if "checksum mismatch" in msg:
+        assert "layers.2." in msg.split("unit layers.2", 1)[1], msg
+
+
+def test_rewritten_array_data_is_a_checksum_mismatch_naming_the_tensor(world, tmp_path):
+    """A unit whose Orbax arrays decode cleanly but differ from what was converted (one value changed): the
+    CRC-32 check names the unit and the tensor; verify=False restores the different numbers."""
+    d = str(tmp_path / "rewritten")
+    shutil.copytree(world["ckpt"], d)
+    udir = os.path.join(d, "units", "layers.2", "arrays")
+    tree = ocp.PyTreeCheckpointer().restore(udir)
+    fn = np.array(tree["layers"]["2"]["attn_hc"]["fn"])
+    fn[3, 5] += 1.0
+    tree["layers"]["2"]["attn_hc"]["fn"] = fn
+    shutil.rmtree(udir)
+    ocp.PyTreeCheckpointer().save(udir, tree)
+    with pytest.raises(CheckpointError, match="checksum mismatch") as e:
+        orbax_ckpt.restore_model(d)
+    assert "unit layers.2: layers.2.attn_hc.fn" in str(e.value) and d in str(e.value)
+    quiet = param_values(orbax_ckpt.restore_model(d, verify=False))["layers.2.attn_hc.fn"]
+    np.testing.assert_array_equal(np.asarray(quiet), fn)
+
+
+def test_resume_with_replaced_source_files_is_an_error(world, tmp_path):
+    """Interrupt, replace the HF folder's safetensors with another model's, rerun: the resume fingerprint covers
+    the source files' sizes and modification times, so the rerun names the changed files instead of writing a
+    checkpoint of half of each model."""
+    hf = str(tmp_path / "hf")
+    shutil.copytree(world["hf"], hf)
+    out = str(tmp_path / "ckpt")
+    with pytest.raises(ConversionInterrupted):
+        convert(hf, out, interrupt_after=3, **KW)
+    other = str(tmp_path / "other")
+    make_hf_folder(other, CFG, seed=7)
+    for f in os.listdir(other):
+        if f.endswith(".safetensors"):
+            shutil.copy(os.path.join(other, f), os.path.join(hf, f))
+    with pytest.raises(CheckpointError, match="source files changed") as e:
+        convert(hf, out, **KW)
+    assert out + orbax_ckpt.PARTIAL_SUFFIX in str(e.value) and "delete" in str(e.value)
+    assert any(p.endswith(".safetensors") for p in e.value.problems)
+    assert not os.path.exists(out)
+
+
+def test_convert_a_folder_without_mtp(world, tmp_path):
+    """A folder saved by transformers (no MTP block): auto converts it without one, --mtp=on names the problem."""
+    hf = str(tmp_path / "hf")
+    shutil.copytree(world["hf"], hf)
+    os.remove(os.path.join(hf, "model-mtp.safetensors"))
+    index = os.path.join(hf, "model.safetensors.index.json")
+    if os.path.exists(index):
+        idx = json.load(open(index))
+        idx["weight_map"] = {k: v for k, v in idx["weight_map"].items() if v != "model-mtp.safetensors"}
+        json.dump(idx, open(index, "w"))
+    with pytest.raises(CheckpointError, match="no MTP block"):
+        convert(hf, str(tmp_path / "on"), with_mtp=True, **KW)
+    meta = orbax_ckpt.read_metadata(convert(hf, str(tmp_path / "auto"), **KW))
+    assert meta["with_mtp"] is False and not any(u.startswith("mtp") for u in meta["units"])
+    restored = orbax_ckpt.restore_model(str(tmp_path / "auto"))
+    assert restored.mtp is None
+    with pytest.raises(CheckpointError, match="no MTP block"):
+        orbax_ckpt.restore_model(str(tmp_path / "auto"), with_mtp=True)

@@ -8,8 +8,9 @@ import struct
 import tracemalloc
 
 import numpy as np
+from fuzzing import fuzz
 from gguf.constants import GGMLQuantizationType
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from test_gguf_reader import TENSORS, enc_str, enc_tensor, raw_gguf, write_gguf
 
@@ -17,17 +18,6 @@ from glm53.io.gguf import GGUFError, GGUFFile
 from glm53.io.sources import MemorySource
 
 NAME = "fuzz.gguf"
-
-
-def fuzz(n: int) -> settings:
-    """n examples, deterministic (derandomized), no deadline, no example database on disk."""
-    return settings(
-        max_examples=n,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-        derandomize=True,
-    )
 
 
 def exercise(data: bytes) -> str:

@@ -16,7 +16,8 @@ import logging
 
 import pytest
 import transformers
-from hypothesis import HealthCheck, given, settings
+from fuzzing import fuzz
+from hypothesis import given
 from hypothesis import strategies as st
 
 from configs import tiny
@@ -35,17 +36,6 @@ READ = sorted(
     {*_HF_DIRECT, *_TEXT_DEFAULTS, *_SCHEDULES, *_SCHEDULE_HINTS, "linear_attn_config", "eos_token_id"}
 )
 LAC_KEYS = [*_LINEAR_ATTN, "kda_layers", "full_attn_layers", "safe_gate"]
-
-
-def fuzz(n: int) -> settings:
-    """n examples, deterministic (derandomized), no deadline, no example database on disk."""
-    return settings(
-        max_examples=n,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-        derandomize=True,
-    )
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -3,11 +3,11 @@ interpret mode on CPU.
 
 Oracle: the GGUF bytes dequantized by gguf-py (`gguf.quants.dequantize`, independent of glm53's decoders; the
 re-encoded layouts are lossless, so their oracle is the source IQ2_S / IQ3_S bytes) and the routed MoE
-computed in f64 numpy. Every kernel is also lowered for TPU with `jax.export(..., platforms=["tpu"])`
-(Pallas -> Mosaic), and the Mosaic kernels' op lists are searched for `tpu.dynamic_gather`.
+computed in f64 numpy. Every case, decode and prefill, f32 and bf16 activations, is also compiled for v5e, v5p
+and v6e by libtpu (`glm53.testing.tpu`, marker `tpu_compile`), and the Mosaic kernels' op lists are searched for
+`tpu.dynamic_gather`.
 """
 
-import base64
 import functools
 import re
 
@@ -17,12 +17,14 @@ import numpy as np
 import pytest
 from gguf import quants as gq
 from gguf.constants import GGMLQuantizationType
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from glm53.quant import planes as P
 from glm53.quant import reencode as R
 from glm53.quant.formats import get_format
 from glm53.quant.qweight import QuantizedExperts
+from glm53.testing import tpu
 from kernels.moe import api
 from kernels.moe import pallas_common as C
 from kernels.moe import pallas_tpu as K
@@ -119,7 +121,7 @@ CASES = [
     ("iq3r_bf16_iq4_T8", 8, 4, 8, 256, 512, "IQ3_S_R", "BF16", "IQ4_XS", 2),
     ("f32_f16_iq3s_T32", 32, 4, 16, 256, 256, "F32", "F16", "IQ3_S", 1),
 ]
-# in-register gathers (tpu.dynamic_gather, one per vreg) per 256-weight block and 128 lanes: one per 8 grid
+# in-register gathers (one per [8, 128] vreg of indices) per 256-weight block and 128 lanes: one per 8 grid
 # entries and 128-entry table chunk (4 chunks)
 _GATHERS_PER_BLOCK = {"IQ2_S": 32 // 8 * 4, "IQ3_S": 64 // 8 * 4}
 _IDS = [c[0] for c in CASES]
@@ -318,62 +320,66 @@ def test_prefill_decodes_each_expert_tile_once():
         assert len(fetched) == 2 * len(distinct)
 
 
-# ---------------------------------------------------------------------------------------- TPU lowering
+# ------------------------------------------------------------------------------------------ TPU compile
 
 
-def _mosaic_ops(exported) -> list[str]:
-    """Op texts of every Mosaic kernel embedded in an exported program (bytecode parsed with MLIR)."""
-    from jax._src.lib import tpu as _tpu
-    from jax._src.lib.mlir import ir
-
-    texts = []
-    for body in re.findall(r"\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22", exported.mlir_module()):
-        ctx = ir.Context()
-        _tpu.register_dialect(ctx)
-        ctx.allow_unregistered_dialects = True
-        with ctx:
-            texts.append(str(ir.Module.parse(base64.b64decode(body))))
-    return texts
+def _gather_vregs(kernel_ops: str) -> int:
+    """In-register gathers of a Mosaic kernel: each `tpu.dynamic_gather` op counted per 32-bit [8, 128] vreg of
+    its result."""
+    shapes = re.findall(r"tpu\.dynamic_gather.*-> vector<(\d+)x(\d+)xi32>", kernel_ops)
+    return sum(int(r) * int(n) // (8 * 128) for r, n in shapes)
 
 
-def _export_tpu(fn, *args):
-    structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), args)
-    return jax.export.export(jax.jit(fn), platforms=["tpu"])(*structs)
-
-
+@pytest.mark.tpu_compile
 def test_gather_counter_sees_gathers():
-    """Positive control: an in-register lane gather lowers to tpu.dynamic_gather and is counted."""
-    from jax.experimental import pallas as pl
+    """Positive control: an in-register lane gather lowers to tpu.dynamic_gather and is counted per vreg."""
 
     def kern(x_ref, i_ref, o_ref):
         o_ref[...] = jnp.take_along_axis(x_ref[...], i_ref[...], axis=1)
 
-    fn = lambda x, i: pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))(x, i)
-    ops = _mosaic_ops(_export_tpu(fn, np.zeros((8, 128), np.float32), np.zeros((8, 128), np.int32)))
-    assert len(ops) == 1 and ops[0].count("tpu.dynamic_gather") == 1
+    fn = lambda x, i: pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct((16, 128), jnp.int32))(x, i)
+    ops = tpu.mosaic_ops(tpu.lower_for(fn, np.zeros((16, 128), np.int32), np.zeros((16, 128), np.int32)))
+    assert len(ops) == 1 and ops[0].count("tpu.dynamic_gather") == 1 and _gather_vregs(ops[0]) == 2
 
 
+def _tpu_program(topology: str, path: str, name: str, dtype: str):
+    """(Mosaic kernel op texts, compiled program) of a case's path (default tiles) for one chip of `topology`."""
+    c = case_data(name)
+    if path == "decode":
+        fn = lambda x, i, w, g, u, d: KD.moe_decode(x, i, w, g, u, d, LIMIT)
+    else:
+        fn = lambda x, i, w, g, u, d: KP.moe_prefill(x, i, w, g, u, d, LIMIT, row_tile=128)
+    x = np.zeros(c["x"].shape, jnp.dtype(dtype))
+    args = (x, c["ids"], c["w"], c["gate"], c["up"], c["down"])
+    lowered = tpu.lower_for(fn, *args, devices=tpu.topology_devices(topology))
+    return tpu.mosaic_ops(lowered), lowered.compile()
+
+
+# Every case in f32 and bf16 on v5e (the target); bf16, the serving dtype, on the other generations (keeps CI short).
+_COMPILE_CASES = [
+    (topology, dtype)
+    for topology in tpu.TOPOLOGIES
+    for dtype in (("float32", "bfloat16") if topology == tpu.TOPOLOGIES[0] else ("bfloat16",))
+]
+
+
+@pytest.mark.tpu_compile
 @pytest.mark.parametrize("name", _IDS)
 @pytest.mark.parametrize("path", ["decode", "prefill"])
-def test_lowers_for_tpu_and_counts_gathers(name, path):
-    """Both kernels of each path lower through Pallas -> Mosaic for TPU (f32; bf16 activations too for two
-    cases). Gathers: none for every layout but the GGUF codebook ones (IQ2_S, IQ3_S), which have exactly one
-    in-register lane gather per 8 grid entries x 128 lanes x table chunk (IQ2_S 0.5, IQ3_S 1 per 1024
-    weights)."""
+@pytest.mark.parametrize("topology, dtype", _COMPILE_CASES)
+def test_compiles_for_tpu_and_counts_gathers(topology, path, name, dtype):
+    """Both kernels of each path compile for TPU (Pallas -> Mosaic -> libtpu; a kernel Mosaic rejects fails
+    here): 2 Mosaic kernels in the compiled program (gate+up, down), each with its matmuls. Gathers: none for
+    every layout but the GGUF codebook ones (IQ2_S, IQ3_S), which have exactly one in-register lane gather
+    per 8 grid entries x 128 lanes x table chunk (IQ2_S 0.5, IQ3_S 1 per 1024 weights)."""
     c = case_data(name)
     want = []  # expected gathers of the gate+up kernel, then of the down kernel (default lane tile 256 here)
     for mats in ((c["gate"], c["up"]), (c["down"],)):
         want.append(sum(_GATHERS_PER_BLOCK.get(p.fmt.name, 0) * p.n_blocks * 256 // 128 for p in mats))
-    for dtype in (np.float32, jnp.bfloat16) if name in ("ud_mix_T1", "iq4_q4k_iq2s_T3") else (np.float32,):
-        x = np.zeros(c["x"].shape, dtype)
-        if path == "decode":
-            fn = lambda x, i, w, g, u, d: KD.moe_decode(x, i, w, g, u, d, LIMIT)
-        else:
-            fn = lambda x, i, w, g, u, d: KP.moe_prefill(x, i, w, g, u, d, LIMIT, row_tile=128)
-        ops = _mosaic_ops(_export_tpu(fn, x, c["ids"], c["w"], c["gate"], c["up"], c["down"]))
-        assert len(ops) == 2  # gate+up kernel, down kernel
-        assert all("tpu.matmul" in o for o in ops)
-        assert sorted(o.count("tpu.dynamic_gather") for o in ops) == sorted(want)
+    ops, compiled = _tpu_program(topology, path, name, dtype)
+    assert tpu.mosaic_kernels(compiled) == 2  # gate+up kernel, down kernel
+    assert len(ops) == 2 and all("tpu.matmul" in o for o in ops)
+    assert sorted(_gather_vregs(o) for o in ops) == sorted(want)
 
 
 # ------------------------------------------------------------------------------------------- unsupported

@@ -16,7 +16,8 @@ import struct
 import numpy as np
 import pytest
 import safetensors
-from hypothesis import HealthCheck, given, settings
+from fuzzing import fuzz
+from hypothesis import given
 from hypothesis import strategies as st
 
 from glm53.errors import CheckpointError
@@ -26,17 +27,6 @@ from glm53.io.safetensors import DTYPES, SafetensorsFile
 BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8,
         "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
         "C64": 64, "F64": 64, "I64": 64, "U64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}  # fmt: skip
-
-
-def fuzz(n: int) -> settings:
-    """n examples, deterministic (derandomized), no deadline, no example database on disk."""
-    return settings(
-        max_examples=n,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-        derandomize=True,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,9 @@
 Atomicity and resume (`convert`): everything is written under ``OUT.partial``; a unit is staged in
 ``units/.<unit>.staging`` and renamed into place when its arrays and manifest are written, so a unit directory
 that exists is complete. A rerun with the same arguments skips finished units (different arguments: an error
-naming what differs). Only when every unit exists are the sidecar and COMPLETE written and ``OUT.partial``
+naming what differs, or naming the source files that changed since the conversion started: their sizes and
+modification times are part of the fingerprint, so a resume never mixes two models; delete ``OUT.partial`` to
+convert the new files). Only when every unit exists are the sidecar and COMPLETE written and ``OUT.partial``
 renamed to OUT: an interrupted run never leaves a directory named OUT. Arrays are stored in Orbax chunks of at
 most `chunk_bytes`: the read granularity of a sharded restore.
 """
@@ -15,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +31,7 @@ from tqdm import tqdm
 
 from glm53.checkpoint import gguf as G
 from glm53.checkpoint import gguf_rules
-from glm53.checkpoint.hf import load_hf_weights
+from glm53.checkpoint.hf import checkpoint_has_mtp, load_hf_weights, mtp_choice, shard_files
 from glm53.checkpoint.orbax import (
     COMPLETE,
     FORMAT,
@@ -221,7 +224,7 @@ def convert(
     int8: bool = False,
     int8_min_size: int = 1 << 20,
     layout: str = "planes",
-    with_mtp: bool = True,
+    with_mtp: bool | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     progress: bool = True,
     interrupt_after: int | None = None,
@@ -231,7 +234,8 @@ def convert(
 
     dtype: "bfloat16" | "float32" for the floating parameters. int8: non-expert Linear kernels with at least
     `int8_min_size` weights (not the router) stored as per-channel Int8Weight. layout: "planes" | "reencoded"
-    for the quantized experts (formats as in the GGUF). interrupt_after: raise ConversionInterrupted after that
+    for the quantized experts (formats as in the GGUF). with_mtp: None converts the MTP block when the HF
+    folder has one (`glm53.checkpoint.hf.mtp_choice`). interrupt_after: raise ConversionInterrupted after that
     many units were written in this run (test hook). Raises CheckpointError for bad input, naming it.
     """
     out = os.path.abspath(os.fspath(out))
@@ -241,6 +245,7 @@ def convert(
     if os.path.exists(out):
         raise CheckpointError(f"{out}: already exists; remove it or choose another --out")
     cfg = load_hf_config(hf_dir)
+    with_mtp = mtp_choice(with_mtp, checkpoint_has_mtp(hf_dir, cfg), os.fspath(hf_dir), cfg.num_hidden_layers)
     gguf = [os.fspath(f) for f in gguf]
     g, experts = _open_experts(gguf, cfg, with_mtp) if gguf else (None, {})
     try:
@@ -254,6 +259,7 @@ def convert(
             "hf": os.path.abspath(hf_dir), "gguf": [os.path.abspath(f) for f in gguf], "dtype": dtype,
             "int8": bool(int8), "int8_min_size": int(int8_min_size) if int8 else None, "layout": layout,
             "with_mtp": bool(with_mtp), "config": model_config_to_dict(cfg), "quant": _quant_dict(quant),
+            "files": source_files(hf_dir, gguf),
         }  # fmt: skip
         fingerprint = json.loads(json.dumps(fingerprint))  # as plan.json reads back (lists, not tuples)
         work = out + PARTIAL_SUFFIX
@@ -294,6 +300,20 @@ def convert(
     return out
 
 
+def source_files(hf_dir: str, gguf: Sequence[str]) -> dict[str, list[int]]:
+    """{path: [size, mtime_ns]} of every file a conversion reads (config.json, safetensors index and shards,
+    GGUF files): the identity of the sources a resumed conversion must find unchanged."""
+    paths = [os.path.join(hf_dir, "config.json"), *shard_files(hf_dir), *gguf]
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        paths.append(index)
+    out = {}
+    for p in paths:
+        st = os.stat(p)
+        out[os.path.abspath(p)] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
 def _quant_dict(quant: QuantConfig | None) -> dict | None:
     if quant is None:
         return None
@@ -314,6 +334,15 @@ def _prepare_work(work: str, fingerprint: dict) -> None:
             raise CheckpointError(f"{work}: an unfinished conversion without a readable {PLAN} ({e}); "
                                   "remove the directory to start over") from None  # fmt: skip
         diff = sorted(k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k))
+        if diff == ["files"]:
+            was, now = old.get("files") or {}, fingerprint["files"]
+            changed = sorted(p for p in set(was) | set(now) if was.get(p) != now.get(p))
+            raise CheckpointError(
+                f"{work}: the source files changed since this conversion started ({', '.join(changed[:5])}"
+                f"{', ...' if len(changed) > 5 else ''}); resuming would mix two models: delete {work} to convert "
+                "the current files",
+                [f"changed since the conversion started (size, mtime): {p}" for p in changed],
+            )
         if diff:
             raise CheckpointError(f"{work}: an unfinished conversion with different arguments ({', '.join(diff)}); "
                                   "rerun with the same arguments to resume, or remove the directory")  # fmt: skip
@@ -339,7 +368,10 @@ def _finalize(work: str, out: str, plan, fingerprint, cfg, quant) -> None:
         "units": list(plan), "manifest": manifest,
     }  # fmt: skip
     write_json(os.path.join(work, META), meta)
-    write_json(os.path.join(work, COMPLETE), {"units": len(plan), "tensors": len(manifest)})
+    with open(os.path.join(work, META), "rb") as f:
+        sidecar_crc = zlib.crc32(f.read())
+    write_json(os.path.join(work, COMPLETE), {"units": len(plan), "tensors": len(manifest),
+                                              "sidecar_crc32": sidecar_crc})  # fmt: skip
     os.rename(work, out)
     _log.info("wrote %s: %d units, %d tensors", out, len(plan), len(manifest))
 

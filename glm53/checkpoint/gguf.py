@@ -32,7 +32,7 @@ from gguf.constants import GGMLQuantizationType
 
 from glm53.checkpoint import gguf_rules as rules
 from glm53.checkpoint.gguf_rules import Path, Target
-from glm53.checkpoint.hf import load_hf_weights
+from glm53.checkpoint.hf import checkpoint_has_mtp, load_hf_weights, mtp_choice
 from glm53.config import ConfigError, ModelConfig, load_hf_config
 from glm53.errors import CheckpointError
 from glm53.io.gguf import GGUFError, GGUFModel, TensorInfo
@@ -334,19 +334,21 @@ def load_gguf_checkpoint(
     with_mtp: bool | None = None,
     quant=None,
     put=None,
+    abstract_fn=nnx.eval_shape,
 ) -> tuple[ModelConfig, nnx.Module, GGUFLoadReport]:
     """Builds `Glm53Model` abstractly (config from the GGUF metadata unless `cfg` is given) and loads the GGUF.
 
-    with_mtp: None builds the MTP block when the file has one; True requires it; False ignores it.
+    with_mtp: None builds the MTP block when the file has one; True requires it (CheckpointError); False
+    ignores it (`glm53.checkpoint.hf.mtp_choice`).
     quant: a `glm53.config.QuantConfig` to keep the routed experts quantized (their GGUF blocks become
     `QuantizedExperts` planes, no decoding; each tensor's type must be the one `quant` gives it); None: dense.
-    Returns (cfg, model, report).
+    abstract_fn(build): the abstract model (`glm53.parallel.abstract_sharded_model` on a mesh: every tensor
+    goes straight into its shards). Returns (cfg, model, report).
     """
     with open_gguf_model(path) as g:
         cfg = gguf_config(g) if cfg is None else cfg
-        if with_mtp is None:
-            with_mtp = has_mtp(g, cfg)
-        abstract = nnx.eval_shape(
+        with_mtp = mtp_choice(with_mtp, has_mtp(g, cfg), g.name, cfg.num_hidden_layers)
+        abstract = abstract_fn(
             lambda: Glm53Model(
                 cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels, with_mtp=with_mtp, quant=quant
             )
@@ -368,20 +370,23 @@ def load_hybrid(
     *,
     dtype=jnp.bfloat16,
     kernels: dict[str, str] | None = None,
-    with_mtp: bool = True,
+    with_mtp: bool | None = None,
     quant=None,
     put=None,
+    abstract_fn=nnx.eval_shape,
     **hf_kw,
 ) -> tuple[ModelConfig, nnx.Module]:
     """Non-expert weights from the HF folder `hf_dir`, routed experts from `experts_gguf`.
 
     The config is the HF folder's (unless `cfg` is given); each GGUF expert tensor must have the shape that
-    config implies (blk.N for trunk layer N, blk.{num_hidden_layers} for the MTP block when with_mtp). quant:
-    as `load_gguf_checkpoint`. Other keyword arguments go to `glm53.checkpoint.hf.load_hf_weights` (e.g. int8).
-    Returns (cfg, model).
+    config implies (blk.N for trunk layer N, blk.{num_hidden_layers} for the MTP block when with_mtp; None: when
+    the HF folder has the block). quant, abstract_fn: as `load_gguf_checkpoint`. Other keyword arguments go to
+    `glm53.checkpoint.hf.load_hf_weights` (e.g. int8). Returns (cfg, model).
     """
     cfg = load_hf_config(hf_dir) if cfg is None else cfg
-    abstract = nnx.eval_shape(
+    present = checkpoint_has_mtp(hf_dir, cfg)
+    with_mtp = mtp_choice(with_mtp, present, os.fspath(hf_dir), cfg.num_hidden_layers)
+    abstract = abstract_fn(
         lambda: Glm53Model(
             cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels, with_mtp=with_mtp, quant=quant
         )

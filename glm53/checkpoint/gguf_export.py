@@ -137,9 +137,10 @@ def _write(w: GGUFWriter) -> None:
 
 
 def convert_hf_to_gguf(
-    hf_dir: str | os.PathLike, path: str | os.PathLike, *, with_mtp: bool = True, **kw
+    hf_dir: str | os.PathLike, path: str | os.PathLike, *, with_mtp: bool | None = None, **kw
 ) -> ModelConfig:
-    """Converts an HF GLM-5.3 folder into one GGUF (see `write_gguf` for the keyword arguments); returns its cfg."""
+    """Converts an HF GLM-5.3 folder into one GGUF (see `write_gguf` for the keyword arguments); returns its cfg.
+    with_mtp: as `glm53.checkpoint.hf.mtp_choice` (None: the MTP block when the folder has one)."""
     cfg = load_hf_config(hf_dir)
     model, _ = load_hf_checkpoint(hf_dir, cfg, dtype=jnp.float32, with_mtp=with_mtp)
     write_gguf(path, cfg, model_params(model), **kw)

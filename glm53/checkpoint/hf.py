@@ -85,6 +85,44 @@ def shard_files(folder: str) -> list[str]:
     return [os.path.join(folder, f) for f in files]
 
 
+def checkpoint_has_mtp(folder: str | os.PathLike, cfg) -> bool:
+    """Whether the folder stores the MTP block (keys ``...layers.{num_hidden_layers}.*``); a folder written by
+    transformers' ``save_pretrained`` has none. Read from the index or the shard headers."""
+    folder = os.fspath(folder)
+
+    def is_mtp(key: str) -> bool:
+        c = classify(key, cfg.num_hidden_layers, 1)
+        return isinstance(c, Mapped) and c.target_prefix()[:1] == ("mtp",)
+
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                return any(is_mtp(k) for k in json.load(f)["weight_map"])
+        except (OSError, json.JSONDecodeError, KeyError, TypeError):
+            return True  # unreadable: the loader reports it
+    for path in shard_files(folder):
+        try:
+            if any(is_mtp(k) for k in SafetensorsFile(path).keys()):
+                return True
+        except CheckpointError:
+            return True  # unreadable: the loader reports it
+    return False
+
+
+def mtp_choice(with_mtp: bool | None, present: bool, where: str, layer: int) -> bool:
+    """Whether to build the MTP block: `with_mtp` None ("auto") follows the checkpoint (logged when it has
+    none); True requires it (CheckpointError naming `where` when absent); False leaves it out."""
+    if with_mtp is None:
+        if not present:
+            _log.warning("%s has no MTP block (layer %d): loading the model without it", where, layer)
+        return present
+    if with_mtp and not present:
+        raise CheckpointError(f"{where}: no MTP block (layer {layer}) in the checkpoint, but the MTP block was "
+                              "required (--mtp=on); load it with --mtp=auto or --mtp=off")  # fmt: skip
+    return bool(with_mtp)
+
+
 def default_int8_filter(path: Path, shape: tuple[int, ...], min_size: int) -> bool:
     """Large non-expert Linear kernels: 2-D ``kernel`` params of >= min_size weights, except the router."""
     return (
@@ -306,8 +344,8 @@ class _Loader:
             if path not in self.values and path not in self.experts:
                 hint = ""
                 if path[0] == "mtp" and not has_mtp:
-                    hint = (f" (the checkpoint has no MTP block, layer {self.cfg.num_hidden_layers}; build the model "
-                            "with with_mtp=False to load it without one)")  # fmt: skip
+                    hint = (f" (the checkpoint has no MTP block, layer {self.cfg.num_hidden_layers}: load it with "
+                            "--mtp=auto / with_mtp=None)")  # fmt: skip
                 self.problems["missing"].append(
                     f"{path_str(path)} {list(t.shape)} {np.dtype(t.dtype).name}{hint}"
                 )
@@ -409,14 +447,18 @@ def load_hf_weights(
 
 
 def load_hf_checkpoint(folder: str | os.PathLike, cfg=None, *, dtype=jnp.bfloat16, kernels=None,
-                       with_mtp: bool = True, **kw):  # fmt: skip
+                       with_mtp: bool | None = None, abstract_fn=nnx.eval_shape, **kw):  # fmt: skip
     """Builds `Glm53Model` abstractly from `cfg` (default: the folder's config.json) and loads the folder.
 
-    dtype / kernels / with_mtp: as `Glm53Model` (without the MTP block, checkpoint layer num_hidden_layers is
-    ignored). Returns (model, report); other keyword arguments as `load_hf_weights`.
+    dtype / kernels: as `Glm53Model`. with_mtp: see `mtp_choice` (None: when the folder has the block; without
+    it, checkpoint layer num_hidden_layers is ignored). abstract_fn(build): the abstract model (default
+    `nnx.eval_shape`; `glm53.parallel.abstract_sharded_model` on a mesh puts every tensor straight into its
+    shards). Returns (model, report); other keyword arguments as `load_hf_weights`.
     """
+    folder = os.fspath(folder)
     cfg = load_hf_config(folder) if cfg is None else cfg
-    abstract = nnx.eval_shape(
+    with_mtp = mtp_choice(with_mtp, checkpoint_has_mtp(folder, cfg), folder, cfg.num_hidden_layers)
+    abstract = abstract_fn(
         lambda: Glm53Model(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels, with_mtp=with_mtp)
     )
     return load_hf_weights(folder, abstract, cfg, **kw)

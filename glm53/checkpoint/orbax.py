@@ -4,7 +4,8 @@
 Layout of a checkpoint directory OUT:
 
     OUT/glm53_checkpoint.json     sidecar: model + quant config, dtype choices, units, manifest of every tensor
-    OUT/COMPLETE                  written last (before the final rename): marks the checkpoint complete
+    OUT/COMPLETE                  written last (before the final rename): marks the checkpoint complete and
+                                  holds the CRC-32 of the sidecar's bytes
     OUT/plan.json                 the conversion's arguments (what a resumed run must repeat)
     OUT/units/<unit>/arrays/      an Orbax PyTree checkpoint of the unit's parameters (nested dict by path)
     OUT/units/<unit>/manifest.json  the unit's tensors: path, kind, leaf shapes / dtypes, expert format / layout
@@ -13,6 +14,11 @@ A unit is one group of parameters: "embed", "norm", "lm_head", "layers.<i>" (non
 (routed experts), "mtp", "mtp.experts". Parameter kinds: "array" (bf16 / f32 ...), "int8" (`Int8Weight`: int8
 values + f32 per-output-channel scale) and "quantized" (`QuantizedExperts`: uint32 planes of the GGUF blocks in
 layout "planes" or "reencoded", always saved with block_splits = 1, i.e. independent of any mesh).
+
+Integrity: the manifest records the CRC-32 of every stored leaf's bytes (C order, as written); `restore_model`
+checks each restored leaf against it (before any cast or relayout, one tensor at a time: a sharded leaf is
+gathered to the host for the check, which `verify=False` skips), and `read_metadata` checks the sidecar against
+the CRC in COMPLETE. A flipped, truncated or missing file is a CheckpointError naming the unit and tensor.
 
 Restore (`restore_model`): the model is built abstractly (`nnx.eval_shape`, or `glm53.parallel.
 abstract_sharded_model` on a mesh) and every leaf is read by Orbax with the leaf's target sharding
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from typing import Any
 
 import jax
@@ -35,6 +42,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from glm53 import parallel as S
+from glm53.checkpoint.hf import mtp_choice
 from glm53.config import ModelConfig, model_config_from_dict, quant_config_from_dict
 from glm53.errors import CheckpointError
 from glm53.layers.param import Path, is_routed_expert, path_str
@@ -51,6 +59,12 @@ COMPLETE = "COMPLETE"
 PLAN = "plan.json"
 UNITS = "units"
 PARTIAL_SUFFIX = ".partial"
+
+
+def crc32(a) -> int:
+    """CRC-32 of an array's bytes in C order (a device array is copied to the host)."""
+    a = np.ascontiguousarray(np.asarray(a))
+    return zlib.crc32(a.reshape(-1).view(np.uint8).data)
 
 
 # ------------------------------------------------------------------------------------------------ layout
@@ -76,9 +90,11 @@ def describe(path: Path, value) -> tuple[dict[str, Any], Any]:
         node = np.asarray(value)
         entry.update(kind="array", dtype=node.dtype.name)
     entry["leaves"] = {
-        "/".join(str(getattr(k, "key", k)) for k in kp): {"shape": list(a.shape), "dtype": a.dtype.name}
+        "/".join(str(getattr(k, "key", k)) for k in kp): {
+            "shape": list(a.shape), "dtype": a.dtype.name, "crc32": crc32(a)
+        }
         for kp, a in jax.tree_util.tree_flatten_with_path(node)[0]
-    }
+    }  # fmt: skip
     return entry, node
 
 
@@ -118,9 +134,14 @@ def read_metadata(ckpt_dir: str | os.PathLike) -> dict:
         hint = " (an unfinished conversion: rerun it to resume)" if d.endswith(PARTIAL_SUFFIX) else ""
         raise CheckpointError(f"{d}: incomplete glm53 checkpoint: no {COMPLETE} marker{hint}")
     try:
-        with open(os.path.join(d, META)) as f:
-            meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+        with open(os.path.join(d, COMPLETE)) as f:
+            want = json.load(f)["sidecar_crc32"]
+        with open(os.path.join(d, META), "rb") as f:
+            raw = f.read()
+        if zlib.crc32(raw) != want:
+            raise ValueError(f"{META} does not match its CRC-32 in {COMPLETE}")
+        meta = json.loads(raw)
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{d}: corrupted glm53 checkpoint: cannot read {META} ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise CheckpointError(f"{d}: {META} is not a {FORMAT} v{VERSION} sidecar")
@@ -131,6 +152,15 @@ def read_metadata(ckpt_dir: str | os.PathLike) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ restore
+def _check_crc(where: str, leaf: str, info: dict, value) -> None:
+    if "crc32" not in info:
+        raise CheckpointError(f"{where}: no checksum recorded for leaf {leaf or '(array)'}")
+    got = crc32(value)
+    if got != info["crc32"]:
+        raise CheckpointError(f"{where}{'/' + leaf if leaf else ''}: checksum mismatch (CRC-32 {got:#010x}, "
+                              f"recorded {int(info['crc32']):#010x}): the stored data is corrupted")  # fmt: skip
+
+
 def _sds_sharding(abstract, default):
     s = getattr(abstract, "sharding", None)
     return s if isinstance(s, jax.sharding.Sharding) else default
@@ -155,7 +185,9 @@ def _leaf_plan(entry: dict, var: nnx.Variable, mesh, rules, default, where: str)
             raise CheckpointError(
                 f"{where}: stored {kind} {leaves['']['shape']}, the model expects {target!r}"
             )
-        return {"": (target.shape, target.dtype, _sds_sharding(target, default))}, lambda r: r[""]
+        stored = jnp.dtype(leaves[""]["dtype"])  # read as stored (checked bytes), then cast
+        cast = (lambda r: r[""]) if stored == target.dtype else (lambda r: r[""].astype(target.dtype))
+        return {"": (target.shape, stored, _sds_sharding(target, default))}, cast
     if kind == "int8":
         shape = tuple(leaves["values"]["shape"])
         if isinstance(target, QuantizedExperts) or tuple(target.shape) != shape:
@@ -225,14 +257,18 @@ def restore_model(
     dtype=None,
     kernels: dict[str, str] | None = None,
     moe_dispatch: bool = True,
+    with_mtp: bool | None = None,
+    verify: bool = True,
 ) -> nnx.Module:
     """The `Glm53Model` of a glm53 Orbax checkpoint, every leaf read straight into its place.
 
     mesh: None puts everything on the default device; a mesh builds the model with
     `glm53.parallel.abstract_sharded_model(..., rules)` and reads each leaf with its NamedSharding (each device
     reads its shard only). dtype: parameter dtype (default: the one converted to; floats are cast on read).
-    kernels: implementation per kernel op (overrides the stored quant.moe_impl for "moe").
-    Raises CheckpointError naming the directory for incomplete / corrupted checkpoints and mismatches.
+    kernels: implementation per kernel op (overrides the stored quant.moe_impl for "moe"). with_mtp: None
+    restores the MTP block when the checkpoint has one, True requires it, False leaves it out. verify: check
+    every leaf's CRC-32 (module docstring; False skips the host copy). Raises CheckpointError naming the
+    directory (and unit, tensor) for incomplete / corrupted checkpoints and mismatches.
     """
     d = os.path.abspath(os.fspath(ckpt_dir))
     meta = read_metadata(d)
@@ -240,10 +276,13 @@ def restore_model(
         cfg = model_config_from_dict(meta["config"])
         quant = None if meta.get("quant") is None else quant_config_from_dict(meta["quant"])
         dtype = jnp.dtype(dtype if dtype is not None else meta["dtype"])
-        with_mtp = bool(meta["with_mtp"])
+        stored_mtp = bool(meta["with_mtp"])
         manifest = {e["path"]: e for e in meta["manifest"]}
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{d}: corrupted {META}: {e!r}") from None
+    with_mtp = mtp_choice(with_mtp, stored_mtp, d, cfg.num_hidden_layers)
+    if not with_mtp:
+        manifest = {k: e for k, e in manifest.items() if not k.startswith("mtp.")}
 
     def build():
         return Glm53Model(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels, with_mtp=with_mtp, quant=quant)
@@ -292,6 +331,8 @@ def restore_model(
                     raise CheckpointError(
                         f"{d}: {name}/{leaf}: restored shape {r[leaf].shape}, expected {shape}"
                     )
+                if verify:
+                    _check_crc(f"{d}: unit {unit}: {name}", leaf, manifest[name]["leaves"][leaf], r[leaf])
             flat[name].set_value(builders[name](r))
     return nnx.merge(graphdef, state)
 

@@ -10,8 +10,9 @@ of those kernel shapes (any mix). Implementations:
                       xla_quant_decode / xla_quant_prefill force one form.
   pallas_tpu          Pallas TPU kernels on QuantizedExperts in the formats they decode: decode (grid over
                       distinct experts, kernels.moe.pallas_tpu_decode) or prefill (ragged grouped GEMM,
-                      kernels.moe.pallas_tpu_prefill); pallas_tpu_decode / pallas_tpu_prefill force one. Off TPU
-                      the kernels run in interpret mode (correct, slow).
+                      kernels.moe.pallas_tpu_prefill); pallas_tpu_decode / pallas_tpu_prefill force one. Lowered
+                      for TPU the kernels compile with Mosaic (a kernel Mosaic rejects fails the compile); lowered
+                      for any other platform they run in interpret mode (correct, slow).
   auto                by backend (`jax.default_backend()`): tpu -> pallas_tpu, gpu / cpu -> xla_quant, any
                       other -> reference.
 
@@ -43,7 +44,12 @@ DEFAULT_DECODE_MAX_SLOTS = 64
 
 
 def _pallas_tpu(mode: str):
-    """The Pallas TPU decode / prefill entry on the planes of QuantizedExperts (interpret mode off TPU)."""
+    """The Pallas TPU decode / prefill entry on the planes of QuantizedExperts.
+
+    The kernels compile with Mosaic where the program is lowered for TPU and run in interpret mode for any
+    other platform (`jax.lax.platform_dependent`: chosen per lowering platform, so a program compiled for TPU
+    devices from a CPU host holds the Mosaic kernels and no interpreter).
+    """
 
     def run(x_td, topk_ids_tk, topk_w_tk, w_gate, w_up, w_down, swiglu_limit):
         ws = (w_gate, w_up, w_down)
@@ -52,10 +58,14 @@ def _pallas_tpu(mode: str):
             raise NotImplementedError(
                 f"the Pallas kernels need QuantizedExperts for gate/up/down, got {kinds}"
             )
+
         fn = pallas_tpu_decode.moe_decode if mode == "decode" else pallas_tpu_prefill.moe_prefill
-        interpret = jax.default_backend() != "tpu"
-        planes = [w.planes for w in ws]
-        return fn(x_td, topk_ids_tk, topk_w_tk, *planes, swiglu_limit=swiglu_limit, interpret=interpret)
+
+        def kernels(interpret):
+            return lambda *args: fn(*args, swiglu_limit=swiglu_limit, interpret=interpret)
+
+        args = (x_td, topk_ids_tk, topk_w_tk, *(w.planes for w in ws))
+        return jax.lax.platform_dependent(*args, tpu=kernels(False), default=kernels(True))
 
     return run
 

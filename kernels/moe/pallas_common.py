@@ -39,10 +39,11 @@ from glm53.quant.formats import QuantFormat
 _U32 = jnp.uint32
 
 # Callbacks a kernel provides to read one unit's words (and, for IQ2_S / IQ3_S, to look the codebook up):
-#   words(field, start, size, stride=1) -> uint32 [size, N]: words start, start + stride, ... of the unit's
-#       share of `field` (a field with a whole number of words per block);
+#   words(field, start, size) -> uint32 [size, N]: words start .. start + size - 1 of the unit's share of
+#       `field` (a field with a whole number of words per block); contiguous, since Mosaic compiles a strided
+#       load only from a block exactly 128 lanes wide;
 #   half16(field) -> uint32 [1, N]: the unit's 16-bit value of a 2-byte field (the f16 `d`), low half.
-Words = Callable[..., jnp.ndarray]
+Words = Callable[[str, int, int], jnp.ndarray]
 Half16 = Callable[[str], jnp.ndarray]
 #   lookup(index) -> uint32: word `index` (uint32 [rows, N], < 512) of `lookup_table(fmt)`.
 Lookup = Callable[[jnp.ndarray], jnp.ndarray]
@@ -59,16 +60,15 @@ _BLOCK_ORDER: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "IQ4_XS": ((8, 2, 4, 4), (3, 1, 0, 2)),
     # i = 64 c + 32 k + 4 jj + bb: nibble k of byte bb of qs word 8 c + jj; rows (bb, k | c, jj)
     "Q4_K": ((4, 2, 8, 4), (3, 1, 0, 2)),
-    # i = 32 m + 16 p + q: 2-bit code q of levels word 2 m + p, sign bit 16 p + q of signs word m;
-    # rows (p, q | m)
-    "IQ2_S_R": ((8, 2, 16), (1, 2, 0)),
+    # i = 16 r + q: 2-bit code q of levels word r, sign bit 16 (r % 2) + q of signs word r // 2; rows (q | r)
+    "IQ2_S_R": ((16, 16), (1, 0)),
     # i = 8 k + q: 4-bit code q of codes word k; rows (q | k)
     "IQ3_S_R": ((32, 8), (1, 0)),
     # i = 32 k + 8 bb + c: coordinate c of grid entry 4 k + bb, sign bit 8 bb + c of signs word k;
     # rows (bb, c | k)
     "IQ2_S": ((8, 32), (1, 0)),
-    # i = 32 m + 16 p + 4 bb + c: coordinate c of grid entry 8 m + 4 p + bb; rows (p, bb, c | m)
-    "IQ3_S": ((8, 32), (1, 0)),
+    # i = 16 r + 4 bb + c: coordinate c of grid entry 4 r + bb (index low byte bb of qs word r); rows (bb, c | r)
+    "IQ3_S": ((16, 16), (1, 0)),
 }
 
 
@@ -227,23 +227,27 @@ def _dec_q4_k(words: Words, half16: Half16) -> list[tuple[int, jnp.ndarray]]:
     return out
 
 
+def _level(c: jnp.ndarray) -> jnp.ndarray:
+    """IQ2 level code 0..2 -> grid coordinate 8, 25, 43 as f32."""
+    return _to_f32(_U32(8) + _U32(17) * c + (c >> 1))
+
+
+def _signs16(words: Words, r: jnp.ndarray) -> jnp.ndarray:
+    """[16, N]: row r holds the sign bits of weights 16 r .. 16 r + 15 (bit q), from 8 words of 32 signs."""
+    return _pick_rows([words("signs", m, 1) for m in range(8)], 16, 2) >> ((r & _U32(1)) << 4)
+
+
 def _dec_iq2_s_r(words: Words, half16: Half16) -> list[tuple[int, jnp.ndarray]]:
     d = f16_bits_to_f32(half16("d"))  # [1, N]
-    sc = [words("scales", 0, 1), words("scales", 1, 1)]  # 16 x 4-bit scales, one per 16 weights
-    sg = words("signs", 0, 8)  # [8, N]: word m = signs of weights 32 m .. 32 m + 31
-    n = sg.shape[-1]
-    m = _row_iota(8, n)
-    sw = _pick_rows(sc, 8, 4)  # scale group 2 m + p lives in word m // 4
+    lev = words("levels", 0, 16)  # [16, N]: word r = weights 16 r .. 16 r + 15 (2-bit level codes)
+    r = _row_iota(16, lev.shape[-1])
+    sc = _pick_rows([words("scales", 0, 1), words("scales", 1, 1)], 16, 8)  # 4-bit scale r: word r // 8
+    db = d * (jnp.float32(0.5) + _to_f32((sc >> ((r & _U32(7)) << 2)) & _U32(15))) * jnp.float32(0.25)
+    sg = _signs16(words, r)
     out = []
-    for p in range(2):
-        lev = words("levels", p, 8, 2)  # [8, N]: levels word 2 m + p = weights 32 m + 16 p + q (2 bits each)
-        s4 = (sw >> (((m & _U32(3)) << 3) + _U32(4 * p))) & _U32(15)
-        db = d * (jnp.float32(0.5) + _to_f32(s4)) * jnp.float32(0.25)  # [8, N]
-        for q in range(16):
-            c = (lev >> _U32(2 * q)) & _U32(3)
-            g = _to_f32(_U32(8) + _U32(17) * c + (c >> 1))  # level code -> grid coordinate 8, 25, 43
-            bit = (sg >> _U32(16 * p + q)) & _U32(1)
-            out.append((8 * (16 * p + q), _flip_sign(db * g, bit)))
+    for q in range(16):
+        bit = (sg >> _U32(q)) & _U32(1)
+        out.append((16 * q, _flip_sign(db * _level((lev >> _U32(2 * q)) & _U32(3)), bit)))
     return out
 
 
@@ -258,11 +262,6 @@ def _dec_iq3_s_r(words: Words, half16: Half16) -> list[tuple[int, jnp.ndarray]]:
         n4 = lax.bitcast_convert_type((codes >> _U32(4 * q)) & _U32(15), jnp.int32)
         out.append((32 * q, db * (2 * n4 - 15).astype(jnp.float32)))
     return out
-
-
-def _level(c: jnp.ndarray) -> jnp.ndarray:
-    """IQ2 level code 0..2 -> grid coordinate 8, 25, 43 as f32."""
-    return _to_f32(_U32(8) + _U32(17) * c + (c >> 1))
 
 
 def _dec_iq2_s(words: Words, half16: Half16, lookup: Lookup) -> list[tuple[int, jnp.ndarray]]:
@@ -286,21 +285,21 @@ def _dec_iq2_s(words: Words, half16: Half16, lookup: Lookup) -> list[tuple[int, 
 
 def _dec_iq3_s(words: Words, half16: Half16, lookup: Lookup) -> list[tuple[int, jnp.ndarray]]:
     d = f16_bits_to_f32(half16("d"))  # [1, N]
-    sg = words("signs", 0, 8)  # [8, N]: word m = signs of weights 32 m .. 32 m + 31
-    m = _row_iota(8, sg.shape[-1])
-    sc = words("scales", 0, 1)  # 8 x 4-bit scales, one per 32 weights (sub-block m)
-    db = d * (jnp.float32(1.0) + jnp.float32(2.0) * _to_f32((sc >> (m << 2)) & _U32(15)))  # [8, N]
-    qh = _pick_rows([words("qh", 0, 1), words("qh", 1, 1)], 8, 4)  # high index bit of entry i: bit i % 32
+    qs = words("qs", 0, 16)  # [16, N]: word r = low index bytes of grid entries 4 r .. 4 r + 3
+    r = _row_iota(16, qs.shape[-1])
+    sc = words("scales", 0, 1)  # 8 x 4-bit scales, one per 32 weights (rows 2 m, 2 m + 1)
+    db = d * (jnp.float32(1.0) + jnp.float32(2.0) * _to_f32((sc >> ((r >> 1) << 2)) & _U32(15)))  # [16, N]
+    qh = _pick_rows([words("qh", 0, 1), words("qh", 1, 1)], 16, 8)  # high index bit of entry e: bit e % 32
+    qh = qh >> ((r & _U32(7)) << 2)  # bit bb: entry 4 r + bb
+    sg = _signs16(words, r)
     out = []
-    for p in range(2):
-        qs = words("qs", p, 8, 2)  # [8, N]: qs word 2 m + p = low index bytes of entries 8 m + 4 p + bb
-        for bb in range(4):
-            hb = (qh >> (((m & _U32(3)) << 3) + _U32(4 * p + bb))) & _U32(1)
-            grid = lookup(((qs >> _U32(8 * bb)) & _U32(255)) | (hb << 8))  # [8, N]: 4 magnitude bytes
-            for c in range(4):
-                q = 16 * p + 4 * bb + c  # weight 32 m + q
-                bit = (sg >> _U32(q)) & _U32(1)
-                out.append((8 * q, _flip_sign(db * _to_f32((grid >> _U32(8 * c)) & _U32(255)), bit)))
+    for bb in range(4):
+        hb = (qh >> _U32(bb)) & _U32(1)
+        grid = lookup(((qs >> _U32(8 * bb)) & _U32(255)) | (hb << 8))  # [16, N]: 4 magnitude bytes
+        for c in range(4):
+            q = 4 * bb + c  # weight 16 r + q
+            bit = (sg >> _U32(q)) & _U32(1)
+            out.append((16 * q, _flip_sign(db * _to_f32((grid >> _U32(8 * c)) & _U32(255)), bit)))
     return out
 
 
@@ -340,8 +339,8 @@ def decode_unit(
 
 # ------------------------------------------------------------------------------ a whole matrix, unit by unit
 
-# read(field, start, size, stride) -> uint32 [size, N]: plane words start, start + stride, ... of `field`.
-Read = Callable[[str, int, int, int], jnp.ndarray]
+# read(field, start, size) -> uint32 [size, N]: plane words start .. start + size - 1 of `field`.
+Read = Callable[[str, int, int], jnp.ndarray]
 
 
 def paired_position(block: int, n_blocks: int, block_splits: int) -> tuple[int, int]:
@@ -361,17 +360,17 @@ def decode_pieces(
     of 8 rows at a multiple-of-8 offset. `lookup` resolves codebook indices (LOOKUP_FORMATS only).
     """
     if fmt.name in DENSE_FORMATS:
-        return decode_unit(fmt, cols, lambda f, start, size, stride=1: read(f, start, size, stride), None)
+        return decode_unit(fmt, cols, read, None)
     nb = cols // fmt.block_size
     out = []
     for b in range(nb):
 
-        def words(field, start, size, stride=1, b=b):
-            return read(field, b * (fmt.field(field).nbytes // 4) + start, size, stride)
+        def words(field, start, size, b=b):
+            return read(field, b * (fmt.field(field).nbytes // 4) + start, size)
 
         def half16(field, b=b):
             word, half = paired_position(b, nb, block_splits)
-            return (read(field, word, 1, 1) >> _U32(16 * half)) & _U32(0xFFFF)
+            return (read(field, word, 1) >> _U32(16 * half)) & _U32(0xFFFF)
 
         pieces = decode_unit(fmt, cols, words, half16, lookup)
         out += [(b * fmt.block_size + off, piece) for off, piece in pieces]
@@ -386,8 +385,8 @@ def decode_matrix(
     `decode_matrix(...)[argsort(input_order)]` is the transposed weight matrix W^T [cols (in), N (out)].
     """
 
-    def read(field, start, size, stride):
-        return fields[field][start : start + (size - 1) * stride + 1 : stride]
+    def read(field, start, size):
+        return fields[field][start : start + size]
 
     table = lookup_table(fmt)
 

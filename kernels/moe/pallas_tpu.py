@@ -191,9 +191,8 @@ def _vreg_lookup(lut_ref):
 def decode_into(wbuf_ref, p: Mat, refs: dict) -> None:
     """Decodes a matrix tile (field refs [words, lanes]) into wbuf_ref [cols, lanes] f32, input_order rows."""
 
-    def read(field, start, size, stride):
-        rows = pl.ds(start, size) if stride == 1 else pl.ds(start, size, stride=stride)
-        return refs[field][rows, :]
+    def read(field, start, size):
+        return refs[field][pl.ds(start, size), :]
 
     lookup = _vreg_lookup(refs[_LUT]) if _LUT in refs else None
     for off, piece in C.decode_pieces(p.fmt, p.cols, p.block_splits, read, lookup):

@@ -41,11 +41,14 @@ def grouped_matmul(x_md: jnp.ndarray, w_ekn, group_sizes_e: jnp.ndarray) -> jnp.
 
     group_sizes_e [E] int32: rows per expert, in order; rows past sum(group_sizes) come out zero.
     """
+    # bf16 operands at DEFAULT: the products are exact in the f32 accumulator, and TPU's ragged_dot (a Mosaic
+    # kernel) rejects a higher precision for them.
+    prec = _HIGHEST if x_md.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
     return jax.lax.ragged_dot(
         x_md,
         dense_weight(w_ekn, x_md.dtype),
         group_sizes_e,
-        precision=_HIGHEST,
+        precision=prec,
         preferred_element_type=jnp.float32,
     )
 

@@ -1,0 +1,111 @@
+"""What every entry point shares: `run(main)`, absl's `app.run` with glm53's conventions.
+
+* Bad input (`glm53.errors`: ConfigError, CheckpointError, GGUFError, ShardingError; TokenizerError): one ``error:`` message
+  (plus CheckpointError.problems, one per line) on stderr, exit status 1, no traceback.
+* Usage errors (`app.UsageError`, a flag that does not parse, an unknown ``--config.*`` field): one
+  ``usage error:`` line naming the flag, exit status 2, no flag listing (``--helpshort`` shows it).
+* Logs are quiet by default (absl verbosity WARNING); ``--verbosity=0`` shows info, ``--verbosity=1`` debug.
+* With JAX_PLATFORMS unset on a machine without TPU or NVIDIA devices, JAX uses the CPU without probing (and
+  logging the failure of) an installed libtpu.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+import jax
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from glm53.errors import CheckpointError, ConfigError, GGUFError, ShardingError
+from glm53.tokenizer import TokenizerError
+
+INPUT_ERRORS = (ConfigError, CheckpointError, GGUFError, ShardingError, TokenizerError)
+USAGE_EXIT, INPUT_EXIT = 2, 1
+
+
+PCI = "/sys/bus/pci/devices"
+GPU_DEVICES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
+
+
+def _google_pci_device() -> bool:
+    """Whether a PCI device of Google's vendor id (a TPU chip) is attached."""
+    for dev in os.listdir(PCI) if os.path.isdir(PCI) else ():
+        try:
+            with open(os.path.join(PCI, dev, "vendor")) as f:
+                if f.read().strip() == "0x1ae0":
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def default_platforms() -> None:
+    """JAX on the CPU when JAX_PLATFORMS is unset and no TPU / NVIDIA device is visible (module docstring).
+    Call before the first computation: JAX picks its backends then."""
+    if "JAX_PLATFORMS" in os.environ or _google_pci_device() or any(map(os.path.exists, GPU_DEVICES)):
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")
+
+
+def usage_exit(message: str) -> None:
+    print(f"usage error: {message}", file=sys.stderr)
+    sys.exit(USAGE_EXIT)
+
+
+def error_exit(e: Exception) -> None:
+    text = str(e)
+    print(f"error: {text}", file=sys.stderr)
+    problems = getattr(e, "problems", [])
+    if "\n" not in text and len(problems) > 1:
+        for p in problems:
+            print(f"  {p}", file=sys.stderr)
+    sys.exit(INPUT_EXIT)
+
+
+def _config_flag(argv: list[str], field: str) -> str:
+    for a in argv:
+        if a.startswith("--config.") and a.split("=", 1)[0].split(".")[-1] == field:
+            return a.split("=", 1)[0]
+    return f"--config.*{field}"
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing; any failure (including a ``--config.*`` override) is one usage-error line."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        usage_exit(str(e))
+    except (AttributeError, KeyError) as e:  # ml_collections: an override of a field the config lacks
+        field = str(e).strip("'\"")
+        usage_exit(f"{_config_flag(argv, field)}: the config has no field {field!r}")
+    except INPUT_ERRORS as e:
+        usage_exit(str(e))
+    except Exception as e:  # noqa: BLE001 -- a config file that fails to load, whatever it raises
+        usage_exit(f"{type(e).__name__}: {e}")
+    return []
+
+
+def config_name(flag: str = "config") -> str | None:
+    """The ``--config`` file (and variant) as given on the command line; None when not given."""
+    return config_flags.get_config_filename(flags.FLAGS[flag]) if flags.FLAGS[flag].present else None
+
+
+def run(main: Callable[[list[str]], None]) -> None:
+    """`app.run(main)` with the conventions of the module docstring."""
+    default_platforms()
+
+    def wrapped(argv):
+        if not flags.FLAGS["verbosity"].present:
+            logging.set_verbosity(logging.WARNING)
+        try:
+            return main(argv)
+        except app.UsageError as e:
+            usage_exit(str(e))
+        except INPUT_ERRORS as e:
+            error_exit(e)
+
+    app.run(wrapped, flags_parser=parse_flags)

@@ -1,0 +1,424 @@
+"""What the real model costs a TPU slice, from the real compiler on any host (libtpu's Mosaic and XLA:TPU against
+the abstract devices of a topology, `glm53.testing.tpu`; nothing is allocated).
+
+The model is `Glm53Model` built abstractly on the topology's mesh by the experiment config's rules
+(`glm53.parallel.abstract_sharded_model`): routed experts as GGUF planes (`QuantizedExperts` of the config's
+mix), the non-expert matrices as the memory budget stores them (`glm53.memory.weights.STORAGE`: the Linear
+kernels of an int8 class as `Int8Weight`, everything else at bf16; the MTP block is not served), the caches of
+`context` tokens per stream (`init_cache` placed by `cache_shardings`). Programs, each with a donated cache:
+
+  decode   one token for each of B streams (one program per stream count)
+  prefill  P tokens of one stream into a one-stream cache (one program per bucket)
+
+compose="full" compiles each program whole. compose="kinds" compiles each program as the sequence of units it
+runs: one per distinct layer kind (attention KDA / DSA with its own or a shared indexer, FFN dense / MoE, the
+expert formats of the mix: the UD mix makes layers 11, 12 and 44 kinds of their own), plus the embedding and
+the head; the model's per-device totals are composed from them (`compiled_hlo.compose`). The compile census
+times a second compile with the persistent compilation cache warm and a `jax.export` round trip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from glm53 import parallel as S
+from glm53.benchmarks import compiled_hlo, harness
+from glm53.build import quant_from_experiment_config
+from glm53.config import ModelConfig, mesh_config_from_dict, model_config_from_dict
+from glm53.layers.param import path_str
+from glm53.memory.inventory import tensor_class
+from glm53.memory.weights import STORAGE
+from glm53.model import Glm53Model
+from glm53.quant.int8 import Int8Weight
+from glm53.quant.qweight import QuantizedExperts
+from glm53.testing import tpu
+
+COMPOSE = ("kinds", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What to compile: topology, expert mix and layout, stream counts (decode), prefill buckets, context per
+    stream, layers (0: all; n: n consecutive layers from the last dense one), compose mode, the census."""
+
+    topology: str = "v5e:2x4"
+    experts: str = "ud_iq3_xxs"
+    layout: str = "planes"
+    streams: tuple[int, ...] = (1, 3, 8)
+    prefill: tuple[int, ...] = (256, 2048)
+    context: int = 262144
+    layers: int = 0
+    compose: str = "kinds"
+    census: bool = True
+
+    def __post_init__(self):
+        if self.compose not in COMPOSE:
+            raise ValueError(f"--compose={self.compose!r}: expected one of {COMPOSE}")
+        if not self.streams or min(self.streams) < 1 or (self.prefill and min(self.prefill) < 1):
+            raise ValueError(f"--streams / --prefill must be positive, got {self.streams} / {self.prefill}")
+        if self.context < max(self.prefill, default=1) or self.layers < 0:
+            raise ValueError(f"--context={self.context} must hold the largest prefill; --layers >= 0")
+
+
+# ---------------------------------------------------------------------------------------------- the model
+def reduced_model_config(model: ml_collections.ConfigDict, layers: int) -> ModelConfig:
+    """The model config with `layers` consecutive layers from the last dense one (all of them for 0), so that
+    a short model has a dense, a DSA and a MoE layer."""
+    cfg = model_config_from_dict(model)
+    if not layers or layers >= cfg.num_hidden_layers:
+        return cfg
+    start = max(0, cfg.mlp_layer_types.index("moe") - 1) if "moe" in cfg.mlp_layer_types else 0
+    start = min(start, cfg.num_hidden_layers - layers)
+    d = model.to_dict()
+    for key in ("layer_types", "mlp_layer_types", "indexer_types"):
+        d[key] = list(d[key])[start : start + layers]
+    d["num_hidden_layers"] = layers
+    return model_config_from_dict(d)
+
+
+def _int8_kernel(path: str, value) -> bool:
+    """A Linear kernel of a tensor class the memory budget stores as int8."""
+    return (
+        path.endswith(".kernel")
+        and not isinstance(value, QuantizedExperts)
+        and len(value.shape) >= 2
+        and STORAGE[tensor_class(path)].dtype == "int8"
+    )
+
+
+def abstract_model(cfg: ModelConfig, quant, mesh, rules: S.Rules) -> Glm53Model:
+    """The served model (no MTP block) as ShapeDtypeStructs on `mesh`, stored as the module docstring says."""
+
+    def build():
+        with nnx.var_defaults(
+            ref=True
+        ):  # the RNG counter as a Ref: fast abstract init (glm53.memory.inventory)
+            rngs = nnx.Rngs(0)
+        return Glm53Model(cfg, rngs=rngs, dtype=jnp.bfloat16, quant=quant, with_mtp=False)
+
+    graphdef, state = nnx.split(S.abstract_sharded_model(build, mesh, rules, moe_dispatch=False))
+
+    def storage(path, var):
+        v = var.get_value()
+        if _int8_kernel(path_str(path), v):
+            scale = (*v.shape[:-2], v.shape[-1])
+            v = Int8Weight(
+                jax.ShapeDtypeStruct(v.shape, jnp.int8),
+                jax.ShapeDtypeStruct(scale, jnp.float32),
+                np.dtype(jnp.bfloat16),
+            )
+        return var.replace(value=v)
+
+    state = nnx.from_flat_state([(p, storage(p, v)) for p, v in nnx.to_flat_state(state)])
+    shardings = S.state_shardings(state, mesh, rules)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
+    return S.wrap_moe_layers(nnx.merge(graphdef, state), mesh, rules)
+
+
+def device_bytes(tree) -> int:
+    """Bytes one device holds of a pytree of sharded ShapeDtypeStructs (the largest shard: all are equal)."""
+    return sum(
+        math.prod(a.sharding.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)
+    )
+
+
+def _split_weights(state) -> dict:
+    routed = sum(
+        device_bytes(v.get_value())
+        for _, v in nnx.to_flat_state(state)
+        if isinstance(v.get_value(), QuantizedExperts)
+    )
+    return dict(routed_experts=routed, non_expert=device_bytes(state) - routed)
+
+
+def _placed(shape, dtype, axes, mesh, rules):
+    """A ShapeDtypeStruct placed by logical axes (a dimension its mesh axes do not divide: replicated)."""
+    axes = tuple(
+        a if shape[i] % S.axis_size(mesh, rules.mesh_axes(a)) == 0 else None for i, a in enumerate(axes)
+    )
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=S.logical_to_sharding(axes, mesh, rules, shape))
+
+
+# ---------------------------------------------------------------------------------------------- programs
+@dataclasses.dataclass
+class Unit:
+    """One compiled program: `fn(*args)` (jitted with `donate`), run `count` times per step (layers: which)."""
+
+    name: str
+    fn: Callable
+    args: tuple
+    donate: tuple[int, ...]
+    layers: list[int]
+    weights: dict
+    cache: int
+
+    @property
+    def count(self) -> int:
+        return max(1, len(self.layers))
+
+
+class _EmbedHead(nnx.Module):
+    """The model's embedding (into the mHC streams) and head (stream mean, final norm, lm_head)."""
+
+    def __init__(self, model: Glm53Model):
+        self.embed, self.norm, self.lm_head = model.embed, model.norm, model.lm_head
+        self.hc_mult = model.cfg.hc_mult
+
+    def __call__(self, tokens_bt, x_btnd):
+        e = self.embed(tokens_bt)
+        x0 = jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], self.hc_mult, e.shape[-1]))
+        logits = self.lm_head(self.norm(jnp.mean(x_btnd, axis=2))).astype(jnp.float32)
+        return x0, logits
+
+
+def _apply(graphdef):
+    def fn(state, *args, **kwargs):
+        return nnx.merge(graphdef, state)(*args, **kwargs)
+
+    return fn
+
+
+def _layer_kind(layer) -> str:
+    attn = layer.attn_kind + ("(shared indexer)" if getattr(layer.self_attn, "shared_indexer", False) else "")
+    if layer.mlp_kind != "moe":
+        return f"{attn}+{layer.mlp_kind}"
+    e = layer.mlp.experts
+    fmts = [
+        w.format_name if isinstance(w, QuantizedExperts) else str(w.dtype)
+        for w in (e.gate_proj.get_value(), e.up_proj.get_value(), e.down_proj.get_value())
+    ]
+    return f"{attn}+moe[{'/'.join(fmts)}]"
+
+
+def programs(
+    model: Glm53Model, batch: int, tokens: int, context: int, compose: str, mesh, rules
+) -> list[Unit]:
+    """The units of one step of `batch` streams x `tokens` tokens over caches of `context` tokens."""
+    cfg = model.cfg
+    cache = jax.eval_shape(lambda: model.init_cache(batch, context, jnp.bfloat16))
+    cache = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        cache,
+        S.cache_shardings(cache, mesh, rules),
+    )
+    ids = _placed((batch, tokens), jnp.int32, (S.BATCH, None), mesh, rules)
+    if compose == "full":
+        gd, state = nnx.split(model)
+
+        def step(state, ids, cache):
+            return nnx.merge(gd, state)(ids, cache=cache)
+
+        return [
+            Unit("model", step, (state, ids, cache), (2,), [], _split_weights(state), device_bytes(cache))
+        ]
+    x = _placed(
+        (batch, tokens, cfg.hc_mult, cfg.hidden_size), jnp.bfloat16, (S.BATCH,) + (None,) * 3, mesh, rules
+    )
+    gd, state = nnx.split(_EmbedHead(model))
+    units = {"embed+head": Unit("embed+head", _apply(gd), (state, ids, x), (), [], _split_weights(state), 0)}
+    selection = None
+    for i, layer in enumerate(model.layers):
+        gd, state = nnx.split(layer)
+        fn = _apply(gd)
+        shared = layer.attn_kind == "dsa" and layer.self_attn.shared_indexer
+        args = (state, x, cache.layers[i], cache.length, selection if shared else None)
+        leaves = jax.tree_util.tree_leaves_with_path(args)
+        sig = tuple((jax.tree_util.keystr(k), a.shape, str(a.dtype), a.sharding.spec) for k, a in leaves)
+        key = (_layer_kind(layer), sig)
+        if key not in units:
+            step = lambda s, x, c, start, sel, fn=fn: fn(s, x, cache=c, start_b=start, selection=sel)  # noqa: E731
+            units[key] = Unit(
+                key[0], step, args, (2,), [], _split_weights(state), device_bytes(cache.layers[i])
+            )
+        units[key].layers.append(i)
+        if layer.attn_kind == "dsa" and not shared and "shared" in cfg.indexer_types[i + 1 :]:
+            sel = jax.eval_shape(units[key].fn, *args)[2]
+            selection = _placed(sel.shape, sel.dtype, (S.BATCH, None, None), mesh, rules)
+    return list(units.values())
+
+
+def compile_unit(unit: Unit) -> tuple[dict, jax.stages.Lowered | None]:
+    """Lower and compile one unit for the mesh's devices: times and `compiled_hlo.analyse`, or the error."""
+    t0 = time.perf_counter()
+    lowered = jax.jit(unit.fn, donate_argnums=unit.donate).lower(*unit.args)
+    t1 = time.perf_counter()
+    out = dict(lower_s=t1 - t0)
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # the compiler's verdict (e.g. HBM exhausted) is a result, not a crash
+        return dict(out, compile_s=time.perf_counter() - t1, error=f"{type(e).__name__}: {e}"[:2000]), None
+    out["compile_s"] = time.perf_counter() - t1
+    out.update(compiled_hlo.analyse(lowered, compiled))
+    return out, lowered
+
+
+# ---------------------------------------------------------------------------------------------- census
+def census(unit: Unit, cold: dict, cache_dir: str | None) -> dict:
+    """A second compile of `unit` with the persistent compilation cache warm (in-memory caches cleared), and
+    `jax.export` of it: export time, serialized bytes, deserialize time, and lowering and compiling the
+    deserialized program (no Python tracing)."""
+    jax.clear_caches()
+    t0 = time.perf_counter()
+    lowered = jax.jit(unit.fn, donate_argnums=unit.donate).lower(*unit.args)
+    t1 = time.perf_counter()
+    lowered.compile()
+    t2 = time.perf_counter()
+    out = dict(
+        unit=unit.name,
+        cold=dict(lower_s=cold["lower_s"], compile_s=cold["compile_s"]),
+        warm_persistent_cache=dict(lower_s=t1 - t0, compile_s=t2 - t1),
+        cache_dir=cache_dir,
+        cache_entries=len(os.listdir(cache_dir)) if cache_dir and os.path.isdir(cache_dir) else 0,
+    )
+    try:
+        t0 = time.perf_counter()
+        leaves, treedef = jax.tree.flatten(unit.args)  # flat in and out: nnx / cache pytrees do not serialize
+
+        def flat(*leaves):
+            return jax.tree.leaves(unit.fn(*jax.tree.unflatten(treedef, leaves)))
+
+        exp = jax.export.export(jax.jit(flat), platforms=["tpu"])(*leaves)
+        blob = exp.serialize()
+        t1 = time.perf_counter()
+        restored = jax.export.deserialize(blob)
+        t2 = time.perf_counter()
+        lowered = jax.jit(restored.call).lower(*leaves)
+        t3 = time.perf_counter()
+        lowered.compile()
+        out["export"] = dict(export_s=t1 - t0, bytes=len(blob), deserialize_s=t2 - t1,
+                             lower_s=t3 - t2, compile_s=time.perf_counter() - t3)  # fmt: skip
+    except Exception as e:  # report what export cannot do rather than lose the census
+        out["export"] = dict(error=f"{type(e).__name__}: {e}"[:1000])
+    return out
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+def run(
+    config: ml_collections.ConfigDict,
+    settings: Settings,
+    progress: Callable[[str], None] = print,
+    partial: Callable[[dict], None] | None = None,
+) -> dict:
+    """Compile every program of `settings` for the config's model; the JSON result (module docstring).
+    `partial` receives the programs compiled so far after each one."""
+    cfg = reduced_model_config(config.model, settings.layers)
+    quant = quant_from_experiment_config(config)
+    quant = dataclasses.replace(
+        quant, experts=settings.experts, layout=settings.layout, moe_impl="pallas_tpu"
+    )
+    mesh_cfg = mesh_config_from_dict(config.mesh)
+    devices = tpu.topology_devices(settings.topology)
+    mesh = tpu.topology_mesh(settings.topology, mesh_cfg.resolved_shape(len(devices)), mesh_cfg.axes)
+    rules = S.get_rules(mesh_cfg.rules)
+    S.check_config(cfg, mesh, rules)
+    t0 = time.perf_counter()
+    model = abstract_model(cfg, quant, mesh, rules)
+    build_s = time.perf_counter() - t0
+    shapes = [("decode", b, 1) for b in settings.streams] + [("prefill", 1, p) for p in settings.prefill]
+    results, first = [], None
+    for phase, batch, tokens in shapes:
+        units = programs(model, batch, tokens, settings.context, settings.compose, mesh, rules)
+        rows = []
+        for j, u in enumerate(units):
+            r, lowered = compile_unit(u)
+            rows.append(dict(name=u.name, layers=u.layers, count=u.count, weights=u.weights,
+                             cache=u.cache, **r))  # fmt: skip
+            if lowered is not None and (first is None or r["compile_s"] > first[1]["compile_s"]):
+                first = (u, r)  # the census recompiles the slowest unit of the first program
+            mem = r.get("memory", {})
+            progress(
+                f"{phase} streams={batch} tokens={tokens} [{j + 1}/{len(units)}] {u.name} x{u.count}: "
+                f"lower {r['lower_s']:.1f}s compile {r['compile_s']:.1f}s"
+                + (
+                    f" ERROR {r['error'][:200]}"
+                    if "error" in r
+                    else f" args {_gb(mem['argument'])} GB temp {_gb(mem['temp'])} GB code {mem['code'] / 1e6:.1f} MB "
+                    f"collectives {sum(r['collectives'].values())} mosaic {r['mosaic_kernels']}"
+                )  # fmt: skip
+            )
+        prog = dict(phase=phase, streams=batch, tokens=tokens, units=rows,
+                    compile_s=sum(r["lower_s"] + r["compile_s"] for r in rows))  # fmt: skip
+        ok = [dict(r, stats=r) for r in rows if "error" not in r]
+        if len(ok) == len(rows):
+            if settings.compose == "full":
+                r = rows[0]
+                ok = [dict(r, weights=sum(r["weights"].values()), stats=r)]
+            else:
+                ok = [dict(r, weights=sum(r["weights"].values()), stats=r) for r in rows]
+            prog["total"] = compiled_hlo.compose(ok)
+            prog["total"]["cache_per_stream"] = prog["total"]["cache"] // batch
+            fixed = prog["total"]["total"] - prog["total"]["cache"]
+            prog["total"]["context_sets_fit"] = max(
+                0, (prog["total"]["hbm"] - fixed) // prog["total"]["cache_per_stream"]
+            )
+        results.append(prog)
+        if partial is not None:
+            partial(dict(settings=dataclasses.asdict(settings), programs=results))
+    out = dict(
+        settings=dataclasses.asdict(settings),
+        machine=harness.machine(("libtpu",)),
+        model=dict(
+            layers=cfg.num_hidden_layers,
+            layer_types=list(cfg.layer_types),
+            mlp_layer_types=list(cfg.mlp_layer_types),
+            build_s=build_s,
+        ),  # fmt: skip
+        mesh=dict(
+            topology=settings.topology,
+            shape=dict(mesh.shape),
+            rules=rules.name,
+            device_kind=devices[0].device_kind,
+        ),  # fmt: skip
+        chip=compiled_hlo.V5E,
+        programs=results,
+    )
+    if settings.census and first is not None:
+        out["census"] = dict(
+            distinct_programs=dict(
+                decode=len(settings.streams),
+                prefill=len(settings.prefill),
+                units_per_program=[len(p["units"]) for p in results],
+            ),  # fmt: skip
+            compile_s=[
+                dict(phase=p["phase"], streams=p["streams"], tokens=p["tokens"], s=p["compile_s"])
+                for p in results
+            ],  # fmt: skip
+            **census(first[0], first[1], jax.config.jax_compilation_cache_dir),
+        )
+    return out
+
+
+def table(result: dict) -> str:
+    """The result as a Markdown table: one row per program, per-device figures on one chip."""
+    head = ("| program | compile s | weights GB | caches GB | temp GB | code MB | total GB | fits 16 GiB "
+            "| context sets fit | GB accessed | roofline ms | all-reduce / all-gather / reduce-scatter / all-to-all "
+            "/ permute | Mosaic kernels (gathers) |")  # fmt: skip
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for p in result["programs"]:
+        name = f"{p['phase']} {p['streams']}x{p['tokens']}"
+        t = p.get("total")
+        if t is None:
+            errors = "; ".join(f"{u['name']}: {u['error'][:120]}" for u in p["units"] if "error" in u)
+            lines.append(f"| {name} | {p['compile_s']:.0f} | compile failed: {errors} |")
+            continue
+        coll = " / ".join(str(t["collectives"][k]) for k in compiled_hlo.COLLECTIVES)
+        lines.append(
+            f"| {name} | {p['compile_s']:.0f} | {_gb(t['weights'])} | {_gb(t['cache'])} | {_gb(t['temp'])} "
+            f"| {t['code'] / 1e6:.1f} | {_gb(t['total'])} | {'yes' if t['fits'] else 'no'} "
+            f"| {t['context_sets_fit']} | {_gb(t['cost']['bytes_accessed'])} "
+            f"| {t['roofline']['roofline_s'] * 1e3:.2f} | {coll} | {t['mosaic_kernels']} ({t['mosaic_gathers']}) |"
+        )
+    return "\n".join(lines)
