@@ -18,6 +18,7 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
+from experiments import cli
 from glm53.benchmarks import compile_tpu
 from glm53.benchmarks.harness import write_result
 
@@ -78,4 +79,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)
