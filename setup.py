@@ -4,6 +4,7 @@ from setuptools import find_packages, setup
 
 TEST = [
     "pytest>=8",
+    "pytest-xdist",  # the README test command runs the suite on every core (-n auto --dist loadfile)
     "hypothesis>=6.100",
     "gguf==0.19.0",
     "torch==2.13.0",

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from glm53.benchmarks import compiled_hlo
+from glm53.benchmarks.compile_tpu import Settings
 
 pytestmark = pytest.mark.tpu_compile
 
@@ -87,3 +88,16 @@ def test_census(result):
         assert e["lower_s"] < c["cold"]["lower_s"]  # the deserialized program is not traced again
     else:
         assert "flatbuffers" in c["export"]["error"]
+
+
+@pytest.mark.parametrize(
+    "streams, prefill, ok",
+    [((), (2048,), True), ((1,), (), True), ((), (), False), ((0,), (16,), False), ((1,), (-1,), False)],
+)
+def test_settings_program_lists(streams, prefill, ok):
+    """Either list may be empty (a run of only the prefill buckets), not both; every entry is positive."""
+    if ok:
+        assert Settings(streams=streams, prefill=prefill).streams == streams
+    else:
+        with pytest.raises(ValueError, match="--streams / --prefill must be positive"):
+            Settings(streams=streams, prefill=prefill)

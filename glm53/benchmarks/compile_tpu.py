@@ -64,8 +64,10 @@ class Settings:
     def __post_init__(self):
         if self.compose not in COMPOSE:
             raise ValueError(f"--compose={self.compose!r}: expected one of {COMPOSE}")
-        if not self.streams or min(self.streams) < 1 or (self.prefill and min(self.prefill) < 1):
-            raise ValueError(f"--streams / --prefill must be positive, got {self.streams} / {self.prefill}")
+        if not (self.streams or self.prefill) or min((*self.streams, *self.prefill)) < 1:
+            raise ValueError(
+                f"--streams / --prefill must be positive (one may be empty), got {self.streams} / {self.prefill}"
+            )
         if self.context < max(self.prefill, default=1) or self.layers < 0:
             raise ValueError(f"--context={self.context} must hold the largest prefill; --layers >= 0")
 
