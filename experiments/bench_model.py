@@ -2,6 +2,7 @@
 
   python -m experiments.bench_model                                  # tiny + small, a few minutes on 2 cores
   python -m experiments.bench_model --configs=small --prefill_len=128 --decode_len=32 --repeats=5 --out=b.json
+  python -m experiments.bench_model --configs=small --profile=/tmp/trace   # + a JAX profiler trace of glm53
 
 Configs: ``tiny`` = configs/tiny.py:default, ``small`` = configs/tiny.py:small, or any other variant name of
 configs/tiny.py. Prints one line per (config, phase): medians, tokens/s of both and the ratio glm53 / transformers
@@ -25,6 +26,9 @@ _DECODE = flags.DEFINE_integer("decode_len", 16, "greedy decode steps at batch 1
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timed repeats (medians are reported)")
 _SEED = flags.DEFINE_integer("seed", 0, "weights and prompt seed")
 _OUT = flags.DEFINE_string("out", None, "write the result as JSON here")
+_PROFILE = flags.DEFINE_string(
+    "profile", None, "write a JAX profiler trace of the glm53 calls to DIR/<config>"
+)
 
 ALIASES = {"tiny": "default"}
 
@@ -41,7 +45,7 @@ def main(argv):
             raise app.UsageError(f"--{flag.name} must be >= 1, got {flag.value}")
     variants = {name: ALIASES.get(name, name) for name in _CONFIGS.value}
     models = {name: (v, model_config_from_dict(tiny.model_config(v))) for name, v in variants.items()}
-    settings = bench.Settings(_PREFILL.value, _DECODE.value, _REPEATS.value, _SEED.value)
+    settings = bench.Settings(_PREFILL.value, _DECODE.value, _REPEATS.value, _SEED.value, _PROFILE.value)
     result = bench.run(models, settings)
     m = result["machine"]
     print(f"{harness.describe(m)}; torch threads {m['torch_threads']}")

@@ -3,6 +3,7 @@
 Errors are reported as rel = max|ours - ref| / max|ref| (printed with -s).
 """
 
+import functools
 import importlib.util
 import os
 
@@ -20,7 +21,8 @@ from configs.tiny import model_config
 from glm53.config import as_hf_text_config, model_config_from_dict
 from glm53.layers.conv import ShortConv
 from glm53.layers.kda import KDA, KDACache, init_cache
-from kernels.kda import api
+from kernels import dispatch
+from kernels.kda import api, xla_cpu
 
 TOL = 1e-5
 
@@ -66,14 +68,18 @@ def kda_inputs(seed: int, T: int, g_mode: str = "random"):
     return [x.astype(np.float32) for x in (q, k, v, g, beta, s0)]
 
 
-@jax.jit
-def _chunk(q, k, v, g, beta, s0):
-    return api.chunk_kda(q, k, v, g, beta, scale=SCALE, initial_state=s0)
+IMPLS = ("reference", "xla_cpu")  # every named implementation runs the kernel tests
 
 
-@jax.jit
-def _recurrent(q, k, v, g, beta, s0):
-    return api.recurrent_kda(q, k, v, g, beta, scale=SCALE, initial_state=s0)
+@functools.partial(jax.jit, static_argnames=("impl", "chunk_size"))
+def _chunk(q, k, v, g, beta, s0, impl="reference", chunk_size=64):
+    kw = dict(scale=SCALE, initial_state=s0, implementation=impl, chunk_size=chunk_size)
+    return api.chunk_kda(q, k, v, g, beta, **kw)
+
+
+@functools.partial(jax.jit, static_argnames=("impl",))
+def _recurrent(q, k, v, g, beta, s0, impl="reference"):
+    return api.recurrent_kda(q, k, v, g, beta, scale=SCALE, initial_state=s0, implementation=impl)
 
 
 def fla_recurrent(naive, q, k, v, g, beta, s0):
@@ -82,13 +88,14 @@ def fla_recurrent(naive, q, k, v, g, beta, s0):
     return o.numpy(), s.numpy()
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("T, with_state", [(1, True), (37, True), (64, True), (150, True), (150, False)])
-def test_kernels_match_fla_naive_recurrent(naive, T, with_state):
+def test_kernels_match_fla_naive_recurrent(naive, T, with_state, impl):
     q, k, v, g, beta, s0 = kda_inputs(T, T)
     s0 = s0 if with_state else None
     o_ref, s_ref = fla_recurrent(naive, q, k, v, g, beta, s0)
-    o_c, s_c = _chunk(q, k, v, g, beta, s0)
-    o_r, s_r = _recurrent(q, k, v, g, beta, s0)
+    o_c, s_c = _chunk(q, k, v, g, beta, s0, impl=impl)
+    o_r, s_r = _recurrent(q, k, v, g, beta, s0, impl=impl)
     assert o_c.shape == (B, T, H, DV) and s_c.shape == (B, H, DK, DV) and s_c.dtype == jnp.float32
     errs = dict(
         chunk_o=rel_err(o_c, o_ref),
@@ -97,44 +104,70 @@ def test_kernels_match_fla_naive_recurrent(naive, T, with_state):
         rec_s=rel_err(s_r, s_ref),
         chunk_vs_rec=rel_err(o_c, o_r),
     )
-    print(f"T={T} state={with_state}", {k_: f"{e:.1e}" for k_, e in errs.items()})
+    print(f"{impl} T={T} state={with_state}", {k_: f"{e:.1e}" for k_, e in errs.items()})
     assert max(errs.values()) < TOL, errs
 
 
-def test_chunk_matches_fla_naive_chunk(naive):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunk_matches_fla_naive_chunk(naive, impl):
     """Against fla's own chunked form (T a multiple of 64 there). Its f32 error is ~5e-6 (prefix-sum
     cancellation, see kernels/kda/reference.py), so this bound is looser than against the recurrence."""
     q, k, v, g, beta, s0 = kda_inputs(7, 128)
     t = [torch.from_numpy(x) for x in (q, k, v, g, beta, s0)]
     o_ref, s_ref = naive.naive_chunk_kda(*t[:5], scale=SCALE, initial_state=t[5], output_final_state=True)
-    o, s = _chunk(q, k, v, g, beta, s0)
+    o, s = _chunk(q, k, v, g, beta, s0, impl=impl)
     errs = rel_err(o, o_ref.numpy()), rel_err(s, s_ref.numpy())
     print("vs naive_chunk_kda", errs)
     assert max(errs) < 5e-5, errs
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("g_value", [-5.0, -30.0, 0.0])
-def test_chunk_extreme_decay(naive, g_value):
+def test_chunk_extreme_decay(naive, g_value, impl):
     """Saturated gate (-5 every token: cumulative -320 in a chunk, exp(320) = inf in f32), a decay far beyond
     the bound, and no decay at all: the chunked form stays finite and equal to the recurrence."""
     q, k, v, g, beta, s0 = kda_inputs(3, 150, g_mode=g_value)
     o_ref, s_ref = fla_recurrent(naive, q, k, v, g, beta, s0)
-    o, s = _chunk(q, k, v, g, beta, s0)
+    o, s = _chunk(q, k, v, g, beta, s0, impl=impl)
     assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
     errs = rel_err(o, o_ref), rel_err(s, s_ref)
     print(f"g={g_value}", errs)
     assert max(errs) < TOL, errs
 
 
-@pytest.mark.parametrize("chunk_size", [24])
-def test_chunk_size_and_padding(chunk_size):
-    """Another chunk size (24: sub-chunks of 8) with a padded tail gives the same result as the recurrence."""
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("chunk_size", [24, 64])
+def test_chunk_size_and_padding(chunk_size, impl):
+    """Other chunk sizes (24: sub-chunks / xla_cpu chunks of 8; 64: xla_cpu chunks of 16) with a padded tail
+    give the same result as the recurrence."""
     q, k, v, g, beta, s0 = kda_inputs(11, 50)
-    o, s = jax.jit(lambda *a: api.chunk_kda(*a[:5], scale=SCALE, initial_state=a[5], chunk_size=chunk_size))(
-        q, k, v, g, beta, s0
-    )
+    o, s = _chunk(q, k, v, g, beta, s0, impl=impl, chunk_size=chunk_size)
     o_r, s_r = _recurrent(q, k, v, g, beta, s0)
     assert max(rel_err(o, o_r), rel_err(s, s_r)) < TOL
+
+
+@pytest.mark.parametrize("max_chunk", [1, 2, 64])
+def test_xla_cpu_chunk_choices(max_chunk):
+    """xla_cpu with chunks of 1 (a scan per token), 2 and 64 tokens (the whole block merge tree) agrees with
+    the reference recurrence; a max_chunk that is not a power of two is refused."""
+    q, k, v, g, beta, s0 = kda_inputs(13, 70)
+    o, s = xla_cpu.chunk_kda(q, k, v, g, beta, scale=SCALE, initial_state=s0, max_chunk=max_chunk)
+    o_r, s_r = _recurrent(q, k, v, g, beta, s0)
+    assert max(rel_err(o, o_r), rel_err(s, s_r)) < TOL
+    with pytest.raises(ValueError, match="max_chunk"):
+        xla_cpu.chunk_kda(q, k, v, g, beta, scale=SCALE, max_chunk=12)
+
+
+def test_auto_is_xla_cpu_without_lapack():
+    """On CPU "auto" runs xla_cpu, whose compiled prefill has no custom call (the reference's triangular_solve
+    is a LAPACK call per matrix there: the cost this implementation removes)."""
+    assert dispatch.resolve("chunk_kda", "auto", api.IMPLEMENTATIONS, api._AUTO, "cpu") == "xla_cpu"
+    q, k, v, g, beta, s0 = kda_inputs(5, 40)
+    hlo = {
+        impl: _chunk.lower(q, k, v, g, beta, s0, impl=impl).compile().as_text()
+        for impl in ("reference", "auto")
+    }
+    assert "lapack" in hlo["reference"] and "custom-call" not in hlo["auto"]
 
 
 def test_api_errors():

@@ -84,13 +84,22 @@ def test_named_implementation_raises_and_auto_falls_back_once(op, monkeypatch, c
 
 
 @pytest.mark.parametrize("op", CASES)
-def test_auto_is_the_reference_without_a_backend(op):
-    _, _, run = CASES[op]
+def test_auto_is_the_reference_without_a_backend(op, monkeypatch):
+    """A backend the op's `_AUTO` table does not name runs the reference (kda names "cpu": removed here)."""
+    mod, _, run = CASES[op]
+    monkeypatch.delitem(mod._AUTO, jax.default_backend(), raising=False)
     jax.tree.map(np.testing.assert_array_equal, run("auto"), run("reference"))
+
+
+def test_auto_on_cpu():
+    """What "auto" runs on a CPU backend, per op (the reference where no CPU implementation is registered)."""
+    assert dispatch.resolve("chunk_kda", "auto", kda.IMPLEMENTATIONS, kda._AUTO, "cpu") == "xla_cpu"
+    for mod in (mhc, sparse_mla):
+        assert dispatch.resolve("op", "auto", ("auto", "reference"), mod._AUTO, "cpu") == "reference"
 
 
 def test_unknown_implementation_raises():
     with pytest.raises(
-        ValueError, match="chunk_kda: unknown implementation 'fastest'; valid: \\['auto', 'reference'\\]"
+        ValueError, match="chunk_kda: unknown implementation 'fastest'; valid: \\['auto', 'reference', 'xla_cpu'\\]"
     ):
         CASES["chunk_kda"][2]("fastest")

@@ -248,7 +248,8 @@ def test_moe_experts_vs_f64_loop(expert_case):
     want = _np_moe(x, ids, w, wg, wu, wd, LIMIT)
     f = lambda a: jnp.asarray(a, jnp.float32)
     got = {}
-    for impl in ("reference", "dense_einsum"):
+    for impl in ("reference", "dense_einsum", "xla_quant_decode", "xla_quant_prefill", "xla_cpu_decode",
+                 "xla_cpu_prefill"):  # fmt: skip
         fn = jax.jit(lambda *a, impl=impl: api.moe_experts(*a, LIMIT, implementation=impl))
         got[impl] = fn(f(x), jnp.asarray(ids), f(w), f(wg), f(wu), f(wd))
     errs = {k: rel(v, want) for k, v in got.items()}

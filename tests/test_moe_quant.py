@@ -22,7 +22,7 @@ from glm53.quant.formats import get_format
 from glm53.quant.mixes import UD_IQ3_XXS
 from glm53.quant.qweight import QuantizedExperts
 from kernels import dispatch
-from kernels.moe import api, xla_quant
+from kernels.moe import api, xla_cpu, xla_quant
 
 E, D, F, K = 12, 256, 256, 4
 LIMIT = 2.0  # small, so the SwiGLU clamps fire
@@ -99,13 +99,17 @@ def mix_weights():
     return qs, kernels
 
 
+# every implementation that takes QuantizedExperts on this host, checked against the f64 computation
+IMPLS = ("reference", "xla_quant_decode", "xla_quant_prefill", "xla_cpu_decode", "xla_cpu_prefill")
+
+
 def _run(impl, x, ids, w, ws, **kw):
     fn = jax.jit(lambda x, i, w, g, u, d: api.moe_experts(x, i, w, g, u, d, LIMIT, implementation=impl, **kw))
     return np.asarray(fn(x, ids, w, ws["gate"], ws["up"], ws["down"]))
 
 
 @pytest.mark.parametrize("streams", (1, 3, 8, 32))
-@pytest.mark.parametrize("impl", ("reference", "xla_quant_decode", "xla_quant_prefill"))
+@pytest.mark.parametrize("impl", IMPLS)
 def test_impl_vs_f64_numpy(mix_weights, impl, streams):
     qs, kernels = mix_weights
     x, ids, w = routing(streams, np.random.default_rng(streams))
@@ -113,7 +117,7 @@ def test_impl_vs_f64_numpy(mix_weights, impl, streams):
     assert rel_err(_run(impl, x, ids, w, qs["planes"]), ref) < 2e-5
 
 
-@pytest.mark.parametrize("impl", ("reference", "xla_quant_decode", "xla_quant_prefill"))
+@pytest.mark.parametrize("impl", IMPLS)
 def test_reencoded_layout_vs_f64_numpy(mix_weights, impl):
     qs, kernels = mix_weights
     x, ids, w = routing(8, np.random.default_rng(11), pool=E)
@@ -131,7 +135,8 @@ def test_every_expert_format_through_xla_quant(name):
     ws = {m: QuantizedExperts.from_gguf_bytes(raws[m], name, GGUF_SHAPES[m]) for m in MIX}
     kernels = {m: kernel_f64(raws[m], name, GGUF_SHAPES[m]) for m in MIX}
     x, ids, w = routing(3, rng, pool=E)
-    assert rel_err(_run("xla_quant_decode", x, ids, w, ws), moe_f64(x, ids, w, kernels)) < 2e-5
+    for impl in ("xla_quant_decode", "xla_cpu_decode", "xla_cpu_prefill"):
+        assert rel_err(_run(impl, x, ids, w, ws), moe_f64(x, ids, w, kernels)) < 2e-5
 
 
 def test_dense_and_quantized_weights_mix(mix_weights):
@@ -140,7 +145,7 @@ def test_dense_and_quantized_weights_mix(mix_weights):
     ws = dict(qs["planes"], gate=jnp.asarray(kernels["gate"], jnp.float32))
     x, ids, w = routing(5, np.random.default_rng(2), pool=E)
     ref = moe_f64(x, ids, w, kernels)
-    for impl in ("reference", "xla_quant_decode", "xla_quant_prefill"):
+    for impl in IMPLS:
         assert rel_err(_run(impl, x, ids, w, ws), ref) < 2e-5
 
 
@@ -196,14 +201,69 @@ def test_prefill_dequantizes_each_routed_expert_once(mix_weights, monkeypatch):
     assert got == sorted(3 * sorted(set(ids.ravel().tolist())))
 
 
+@pytest.mark.parametrize("form", ("decode", "prefill"))
+def test_xla_cpu_dequantizes_each_routed_expert_once(mix_weights, monkeypatch, form):
+    """xla_cpu dequantizes the distinct routed experts in chunks of `chunk_experts`: ceil(U / chunk) chunks
+    per matrix, holding every distinct expert once (the last chunk padded)."""
+    qs, _ = mix_weights
+    ws = qs["planes"]
+    x, ids, w = routing(20, np.random.default_rng(8), pool=9)  # 80 slots, 9 distinct experts
+    distinct = sorted(set(ids.ravel().tolist()))
+    seen = []
+    orig = xla_cpu.dequantize_chunk
+
+    def counting(q, chunk_ids, dtype):
+        jax.debug.callback(lambda i: seen.append(np.asarray(i).copy()), chunk_ids)
+        return orig(q, chunk_ids, dtype)
+
+    monkeypatch.setattr(xla_cpu, "dequantize_chunk", counting)
+    fn = getattr(xla_cpu, f"moe_experts_{form}")
+    y = jax.jit(lambda *a: fn(*a, LIMIT, chunk_experts=4))(x, ids, w, ws["gate"], ws["up"], ws["down"])
+    jax.block_until_ready(y)
+    chunks = -(-len(distinct) // 4)
+    assert len(seen) == 3 * chunks  # gate, up, down once per chunk
+    per_matrix = np.stack(seen).reshape(chunks, 3, 4)[:, 0].ravel()
+    assert per_matrix[: len(distinct)].tolist() == distinct
+
+
+def test_xla_cpu_prefill_computes_only_the_group_rows(monkeypatch):
+    """The prefill form's expert FFN runs on exactly the routed rows: full tiles plus power-of-two remainder
+    tiles sum to the non-empty slots, with no padded row (dense weights, groups of odd sizes)."""
+    rng = np.random.default_rng(3)
+    t, k, e = 23, 3, 5
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+    ids[4, 1] = e  # an empty slot
+    x = rng.standard_normal((t, D)).astype(np.float32)
+    w = rng.uniform(0.1, 1.0, (t, k)).astype(np.float32)
+    dense = {m: jnp.asarray(0.05 * rng.standard_normal(s), jnp.float32)
+             for m, s in (("gate", (e, D, 64)), ("up", (e, D, 64)), ("down", (e, 64, D)))}  # fmt: skip
+    rows = []
+    orig = xla_cpu._ffn
+
+    def counting(xt, mats, limit):
+        jax.debug.callback(lambda: rows.append(xt.shape[0]))
+        return orig(xt, mats, limit)
+
+    monkeypatch.setattr(xla_cpu, "_ffn", counting)
+    args = (x, ids, w, dense["gate"], dense["up"], dense["down"])
+    y = jax.jit(lambda *a: xla_cpu.moe_experts_prefill(*a, LIMIT, tile_rows=8))(*args)
+    jax.block_until_ready(y)
+    assert sum(rows) == int(np.sum(ids < e)) and max(rows) == 8
+    kern = {m: np.asarray(v, np.float64) for m, v in dense.items()}  # [E, in, out]
+    assert rel_err(y, moe_f64(x, ids, w, kern)) < 2e-5
+
+
 # ----------------------------------------------------------------------------------------------- dispatch
 def test_dispatch_rule():
     sel = api.select_implementation
-    assert sel("auto", 64, 64, "cpu") == "xla_quant_decode"
+    assert sel("auto", 64, 64, "cpu") == "xla_cpu_decode"
+    assert sel("auto", 65, 64, "cpu") == "xla_cpu_prefill"
+    assert sel("auto", 64, 64, "gpu") == "xla_quant_decode"
     assert sel("auto", 65, 64, "gpu") == "xla_quant_prefill"
     assert sel("auto", 8, 64, "tpu") == "pallas_tpu_decode"
     assert sel("auto", 4096, 512, "tpu") == "pallas_tpu_prefill"
     assert sel("xla_quant", 3, 2) == "xla_quant_prefill"
+    assert sel("xla_cpu", 2, 2, "gpu") == "xla_cpu_decode"
     assert sel("reference", 10**6, 1, "tpu") == "reference"
     with pytest.raises(ValueError, match="unknown implementation"):
         sel("fastest", 8, 64)
@@ -212,14 +272,18 @@ def test_dispatch_rule():
 def test_auto_and_fallback(mix_weights, monkeypatch, caplog):
     qs, kernels = mix_weights
     x, ids, w = routing(3, np.random.default_rng(9), pool=E)
-    # cpu: auto == xla_quant (decode form for 12 slots <= 64, prefill form for decode_max_slots=4)
-    np.testing.assert_array_equal(
-        _run("auto", x, ids, w, qs["planes"]), _run("xla_quant_decode", x, ids, w, qs["planes"])
-    )
-    np.testing.assert_array_equal(
-        _run("auto", x, ids, w, qs["planes"], decode_max_slots=4),
-        _run("xla_quant_prefill", x, ids, w, qs["planes"]),
-    )
+    # auto == xla_cpu on cpu, xla_quant on gpu (decode form for 12 slots <= 64, prefill form for
+    # decode_max_slots=4)
+    fast = {"cpu": "xla_cpu", "gpu": "xla_quant"}.get(jax.default_backend(), "xla_quant")
+    with monkeypatch.context() as m:
+        m.setitem(api._AUTO, jax.default_backend(), fast)
+        np.testing.assert_array_equal(
+            _run("auto", x, ids, w, qs["planes"]), _run(f"{fast}_decode", x, ids, w, qs["planes"])
+        )
+        np.testing.assert_array_equal(
+            _run("auto", x, ids, w, qs["planes"], decode_max_slots=4),
+            _run(f"{fast}_prefill", x, ids, w, qs["planes"]),
+        )
     # the Pallas kernels take QuantizedExperts only: named, dense arrays raise; "auto" runs the reference
     dense = {m: jnp.asarray(kernels[m], jnp.float32) for m in MIX}
     with pytest.raises(NotImplementedError, match="'pallas_tpu_decode'.*QuantizedExperts"):
@@ -233,6 +297,7 @@ def test_auto_and_fallback(mix_weights, monkeypatch, caplog):
     def unsupported(*args):
         raise NotImplementedError("not this shape")
 
+    monkeypatch.setitem(api._AUTO, jax.default_backend(), "xla_quant")
     monkeypatch.setitem(api._IMPLEMENTATIONS, "xla_quant_decode", unsupported)
     with pytest.raises(
         NotImplementedError, match="'xla_quant_decode' cannot run these inputs: not this shape"
@@ -373,7 +438,7 @@ def test_sharded_planes_give_the_same_result(mix_weights):
     sharded = {m: jax.device_put(q, lanes) for m, q in qs["planes"].items()}
     assert all(a.sharding == lanes for q in sharded.values() for a in jax.tree.leaves(q))
     x, ids, w = routing(4, np.random.default_rng(12), pool=E)
-    for impl in ("reference", "xla_quant_decode", "xla_quant_prefill"):
+    for impl in IMPLS:
         assert rel_err(_run(impl, x, ids, w, sharded), _run(impl, x, ids, w, qs["planes"])) < 1e-6
 
 
@@ -397,3 +462,27 @@ def test_xla_quant_lowers_for_nvidia_gpus(mix_weights, layout):
             x, ids, w, ws["gate"], ws["up"], ws["down"]
         ).mlir_module()
         assert "stablehlo.while" in text and not re.search(r"custom_call", text)
+
+
+def test_xla_cpu_decode_dequantizes_one_routed_expert_at_a_time(mix_weights, monkeypatch):
+    """By default the decode form dequantizes one expert per chunk (each expert's f32 weights still in cache
+    when its matmuls read them): U chunks of one per matrix, the distinct experts in order, and the output
+    still the reference's."""
+    qs, kernels = mix_weights
+    ws = qs["reencoded"]
+    x, ids, w = routing(3, np.random.default_rng(9), pool=5)
+    distinct = sorted(set(ids.ravel().tolist()))
+    seen = []
+    orig = xla_cpu.dequantize_chunk
+
+    def counting(q, chunk_ids, dtype):
+        jax.debug.callback(lambda i: seen.append(np.asarray(i).copy()), chunk_ids)
+        return orig(q, chunk_ids, dtype)
+
+    monkeypatch.setattr(xla_cpu, "dequantize_chunk", counting)
+    args = (x, ids, w, ws["gate"], ws["up"], ws["down"])
+    y = jax.block_until_ready(jax.jit(lambda *a: xla_cpu.moe_experts_decode(*a, LIMIT))(*args))
+    assert xla_cpu.DEFAULT_DECODE_CHUNK_EXPERTS == 1
+    assert len(seen) == 3 * len(distinct) and all(s.shape == (1,) for s in seen)
+    assert np.stack(seen).reshape(len(distinct), 3)[:, 0].tolist() == distinct
+    assert rel_err(np.asarray(y), moe_f64(x, ids, w, kernels)) < 2e-5

@@ -13,6 +13,10 @@ turns), batch 1:
 `run` returns the JSON result: machine (with torch's thread count), settings, and per config: model sizes,
 build and compile time, per phase each side's timing and tokens_per_s and the ratio glm53 / transformers tokens/s
 (> 1: glm53 is faster), and the greedy tokens of both with their agreement.
+
+With `Settings.profile_dir`, one more round of the glm53 calls (already compiled, untimed: the profiler's own
+cost stays out of the timings) runs under `jax.profiler.trace`, writing a TensorBoard / Perfetto trace per
+config to `profile_dir/<config name>/`, each call inside a `TraceAnnotation` named glm53_prefill / glm53_decode.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -43,6 +48,7 @@ class Settings:
     decode_len: int = 16
     repeats: int = 3
     seed: int = 0
+    profile_dir: str | None = None  # a JAX profiler trace of the glm53 calls goes here (a folder per config)
 
 
 class Glm53Runner:
@@ -106,6 +112,16 @@ def _phase(ours: harness.Timing, theirs: harness.Timing, tokens: int) -> dict:
     }
 
 
+def profile(trace_dir: str, fns: Mapping[str, Callable], setup: Mapping[str, Callable]) -> None:
+    """One call of each of `fns` (on its fresh `setup()` input, made before the trace starts) under
+    `jax.profiler.trace(trace_dir)`, each inside a `jax.profiler.TraceAnnotation` of its name."""
+    inputs = {k: jax.block_until_ready(setup[k]()) for k in fns}
+    with jax.profiler.trace(trace_dir):
+        for k, fn in fns.items():
+            with jax.profiler.TraceAnnotation(k):
+                jax.block_until_ready(fn(inputs[k]))
+
+
 def first_mismatch(a: list[int], b: list[int]) -> int | None:
     """Index of the first differing token (or of the shorter end), None when equal."""
     for i, (x, y) in enumerate(zip(a, b)):
@@ -140,6 +156,10 @@ def bench_config(
         fns[f"{who}_decode"] = lambda prefilled, r=r: r.decode(prefilled, s.decode_len)
         setup[f"{who}_decode"] = lambda r=r: r.prefill(r.fresh(), prompt)
     tm = harness.time_calls(fns, warmup=1, repeats=s.repeats, setup=setup)
+    if s.profile_dir:
+        trace_dir = os.path.join(s.profile_dir, name)
+        profile(trace_dir, {k: fns[k] for k in ("glm53_prefill", "glm53_decode")}, setup)
+        log(f"[{name}] profiler trace of the glm53 calls: {trace_dir}")
     compile_s = tm["glm53_prefill"].warmup_s[0] + tm["glm53_decode"].warmup_s[0]
     toks_o, toks_t = tm["glm53_decode"].result, tm["transformers_decode"].result
     mis = first_mismatch(toks_o, toks_t)

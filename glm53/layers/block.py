@@ -12,6 +12,7 @@ from glm53.layers.hyper_connections import HyperConnection
 from glm53.layers.mlp import MLP
 from glm53.layers.moe import MoE
 from glm53.layers.norm import RMSNorm
+from kernels import dispatch
 
 
 class DecoderLayer(nnx.Module):
@@ -34,7 +35,7 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, rngs=rngs, dtype=dtype)
         if self.attn_kind == "kda":
             self.self_attn = kda_lib.KDA(
-                cfg, rngs=rngs, dtype=dtype, implementation=kernels.get("kda", "reference")
+                cfg, rngs=rngs, dtype=dtype, implementation=kernels.get("kda", dispatch.AUTO)
             )
         else:
             self.self_attn = dsa_lib.DSA(

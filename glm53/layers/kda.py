@@ -21,6 +21,7 @@ from glm53.config import ModelConfig
 from glm53.layers.conv import ShortConv
 from glm53.layers.linear import Linear
 from glm53.layers.norm import GatedRMSNorm
+from kernels import dispatch
 from kernels.kda import api as kda_api
 
 L2NORM_EPS = 1e-6  # hard-coded in every implementation (not rms_norm_eps)
@@ -70,8 +71,9 @@ class KDA(nnx.Module):
     """Kimi Delta Attention layer: `y_btd, new_cache = layer(x_btd, cache=cache, start_b=start_b)`.
 
     Parameter names follow the design contract (the HF loader maps onto them); f32-kept as in transformers:
-    the conv weights, dt_bias and A_log. `implementation` selects the kernels.kda backend; a single token
-    (decode) uses the recurrent kernel, longer sequences the chunked kernel.
+    the conv weights, dt_bias and A_log. `implementation` selects the kernels.kda backend ("auto": the
+    backend's choice, xla_cpu on CPU); a single token (decode) uses the recurrent kernel, longer sequences the
+    chunked kernel.
     """
 
     def __init__(
@@ -80,7 +82,7 @@ class KDA(nnx.Module):
         *,
         rngs: nnx.Rngs,
         dtype=jnp.float32,
-        implementation: str = "reference",
+        implementation: str = dispatch.AUTO,
     ):
         self.cfg = cfg
         self.implementation = implementation

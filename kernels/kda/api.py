@@ -4,8 +4,9 @@ Inputs (all backends): q, k [B, T, H, dk] already L2-normalised; v [B, T, H, dv]
 log-decay per key channel (<= 0); beta [B, T, H]; `scale` multiplies q inside the op; initial_state
 [B, H, dk, dv] (None = zeros). Both return (o [B, T, H, dv] in v.dtype, final_state [B, H, dk, dv] float32).
 Any T >= 1.
-Implementations: "reference" (pure jnp, the oracle) and "auto" (the backend's choice in `_AUTO`, reference
-where it names none). A named implementation that cannot take the inputs raises NotImplementedError; only
+Implementations: "reference" (pure jnp, the oracle), "xla_cpu" (small chunks and batched intra-chunk products,
+shaped for XLA:CPU: kernels/kda/xla_cpu.py) and "auto" (the backend's choice in `_AUTO`: xla_cpu on CPU,
+reference where it names none). A named implementation that cannot take the inputs raises NotImplementedError; only
 "auto" falls back to "reference" (`kernels.dispatch`).
 """
 
@@ -14,12 +15,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kernels import dispatch
-from kernels.kda import reference
+from kernels.kda import reference, xla_cpu
 
 # A backend registers in both tables under one name.
-_CHUNK = {"reference": reference.chunk_kda}
-_RECURRENT = {"reference": reference.recurrent_kda}
-_AUTO: dict[str, str] = {}  # backend -> implementation "auto" runs
+_CHUNK = {"reference": reference.chunk_kda, "xla_cpu": xla_cpu.chunk_kda}
+_RECURRENT = {"reference": reference.recurrent_kda, "xla_cpu": xla_cpu.recurrent_kda}
+_AUTO: dict[str, str] = {"cpu": "xla_cpu"}  # backend -> implementation "auto" runs
 IMPLEMENTATIONS = (dispatch.AUTO, *_CHUNK)
 
 

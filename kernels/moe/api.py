@@ -6,17 +6,21 @@ of those kernel shapes (any mix). Implementations:
   reference           sort slots by expert, `jax.lax.ragged_dot`, f32 accumulation; quantized weights are
                       dequantized whole first. The oracle.
   dense_einsum        every expert on every token, masked (tiny sizes only).
-  xla_quant           plain XLA, cost per distinct routed expert (kernels.moe.xla_quant): the GPU / CPU path.
+  xla_quant           plain XLA, cost per distinct routed expert (kernels.moe.xla_quant): the GPU path.
                       xla_quant_decode / xla_quant_prefill force one form.
+  xla_cpu             plain XLA shaped for XLA:CPU (kernels.moe.xla_cpu): one distinct expert at a time, dense
+                      kernels sliced in place, quantized experts dequantized a chunk at a time outside loops;
+                      prefill computes only the real expert group sizes. xla_cpu_decode / xla_cpu_prefill
+                      force one form.
   pallas_tpu          Pallas TPU kernels on QuantizedExperts in the formats they decode: decode (grid over
                       distinct experts, kernels.moe.pallas_tpu_decode) or prefill (ragged grouped GEMM,
                       kernels.moe.pallas_tpu_prefill); pallas_tpu_decode / pallas_tpu_prefill force one. Lowered
                       for TPU the kernels compile with Mosaic (a kernel Mosaic rejects fails the compile); lowered
                       for any other platform they run in interpret mode (correct, slow).
-  auto                by backend (`jax.default_backend()`): tpu -> pallas_tpu, gpu / cpu -> xla_quant, any
-                      other -> reference.
+  auto                by backend (`jax.default_backend()`): tpu -> pallas_tpu, gpu -> xla_quant, cpu ->
+                      xla_cpu, any other -> reference.
 
-xla_quant, pallas_tpu and auto take their decode form when the routed slots T*K <= decode_max_slots, else
+xla_quant, xla_cpu, pallas_tpu and auto take their decode form when the routed slots T*K <= decode_max_slots, else
 their prefill form (`select_implementation`, the one decode / prefill rule). A named implementation that
 cannot take the inputs (a format, layout or weight type its kernels do not handle) raises NotImplementedError;
 only "auto" falls back to "reference" then, logging the reason once (`kernels.dispatch`).
@@ -29,7 +33,7 @@ import jax.numpy as jnp
 
 from glm53.quant.qweight import QuantizedExperts
 from kernels import dispatch
-from kernels.moe import pallas_tpu_decode, pallas_tpu_prefill, reference, xla_quant
+from kernels.moe import pallas_tpu_decode, pallas_tpu_prefill, reference, xla_cpu, xla_quant
 from kernels.moe.reference import clamped_swiglu
 
 __all__ = [
@@ -75,11 +79,13 @@ _IMPLEMENTATIONS = {
     "dense_einsum": reference.moe_experts_dense,
     "xla_quant_decode": xla_quant.moe_experts_decode,
     "xla_quant_prefill": xla_quant.moe_experts_prefill,
+    "xla_cpu_decode": xla_cpu.moe_experts_decode,
+    "xla_cpu_prefill": xla_cpu.moe_experts_prefill,
     "pallas_tpu_decode": _pallas_tpu("decode"),
     "pallas_tpu_prefill": _pallas_tpu("prefill"),
 }
-_BY_SLOTS = ("xla_quant", "pallas_tpu")  # pick <name>_decode / <name>_prefill by routed slots
-_AUTO = {"tpu": "pallas_tpu", "gpu": "xla_quant", "cpu": "xla_quant"}  # backend -> what "auto" runs
+_BY_SLOTS = ("xla_quant", "xla_cpu", "pallas_tpu")  # pick <name>_decode / <name>_prefill by routed slots
+_AUTO = {"tpu": "pallas_tpu", "gpu": "xla_quant", "cpu": "xla_cpu"}  # backend -> what "auto" runs
 IMPLEMENTATIONS = (dispatch.AUTO, *_BY_SLOTS, *_IMPLEMENTATIONS)
 
 
@@ -91,8 +97,8 @@ def select_implementation(
 ) -> str:
     """The concrete implementation `moe_experts` runs for `implementation` and T*K = `n_slots` routed slots.
 
-    "auto": by `backend` (default `jax.default_backend()`, see the module docstring); xla_quant / pallas_tpu
-    then take their decode form when n_slots <= decode_max_slots, else their prefill form. Unknown names raise
+    "auto": by `backend` (default `jax.default_backend()`, see the module docstring); xla_quant / xla_cpu /
+    pallas_tpu then take their decode form when n_slots <= decode_max_slots, else their prefill form. Unknown names raise
     ValueError.
     """
     name = dispatch.resolve("moe_experts", implementation, IMPLEMENTATIONS, _AUTO, backend)
@@ -123,7 +129,7 @@ def moe_experts(
         shapes (only ``.shape`` is read outside the matmuls).
       swiglu_limit: the SwiGLU clamp L (gate: min(a, L); up: clip(b, -L, L)).
       implementation: one of IMPLEMENTATIONS (module docstring).
-      decode_max_slots: T*K up to which "auto" / "xla_quant" / "pallas_tpu" take their decode form.
+      decode_max_slots: T*K up to which "auto" / "xla_quant" / "xla_cpu" / "pallas_tpu" take their decode form.
     Returns:
       [T, D] in x's dtype.
     """
