@@ -19,10 +19,18 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from glm53.errors import CheckpointError, ConfigError, GGUFError, ShardingError
+from glm53.errors import CheckpointError, ConfigError, DataError, GGUFError, ShardingError, TrainingError
 from glm53.tokenizer import TokenizerError
 
-INPUT_ERRORS = (ConfigError, CheckpointError, GGUFError, ShardingError, TokenizerError)
+INPUT_ERRORS = (
+    ConfigError,
+    CheckpointError,
+    GGUFError,
+    ShardingError,
+    TokenizerError,
+    DataError,
+    TrainingError,
+)
 USAGE_EXIT, INPUT_EXIT = 2, 1
 
 

@@ -25,3 +25,11 @@ class GGUFError(ValueError):
 
 class ShardingError(ValueError):
     """A rule set cannot shard a tensor (collision, unknown axis, indivisible dimension); the message names it."""
+
+
+class DataError(ValueError):
+    """A corpus, tokenizer or token file that cannot be used; the message names the file or field."""
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on (a non-finite loss); the message names the step and the checkpoint kept."""

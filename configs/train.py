@@ -1,0 +1,74 @@
+"""Training configs: ``--config=configs/train.py:NAME`` for ``python -m experiments.train``.
+
+Variants:
+  tiny   the tiny default architecture (configs/tiny.py) with a 512-token BPE on 40 stdlib files; a few steps,
+         for tests and smoke runs
+  small  a first real run on the whole standard library: 4096-token BPE, hidden 256, 8 layers (DSA at 3, 7),
+         32 experts top-4 of width 256, a shared expert, an MTP layer (a starting point for the shipped model)
+
+Sections: ``model`` (glm53.config.ModelConfig fields; vocab_size must equal the trained tokenizer's),
+``data`` (glm53.data.DataConfig), ``optim`` (glm53.train.step.OptimConfig), ``loss``
+(glm53.train.loss.LossConfig), and the run: batch_size, seq_len, seed, eval_every, eval_batches, save_every,
+keep, log_every, fast_compile.
+"""
+
+import ml_collections
+
+from configs import tiny
+
+
+def _schedules(d: ml_collections.ConfigDict) -> None:
+    n = d.num_hidden_layers
+    d.layer_types = ["dsa" if i % 4 == 3 else "kda" for i in range(n)]
+    d.mlp_layer_types = ["dense"] * min(3, n - 1) + ["moe"] * (n - min(3, n - 1))
+    d.indexer_types = ["full"] * n
+
+
+VARIANTS = {
+    "tiny": dict(
+        model=dict(vocab_size=512, num_hidden_layers=4),
+        data=dict(vocab_size=512, max_files=40),
+        optim=dict(lr=3e-3, warmup_steps=2, total_steps=8),
+        run=dict(batch_size=2, seq_len=32, eval_every=4, eval_batches=2, save_every=4, keep=2, log_every=1,
+                 fast_compile=True),
+    ),
+    "small": dict(
+        model=dict(vocab_size=4096, hidden_size=256, num_hidden_layers=8, intermediate_size=512,
+                   moe_intermediate_size=256, n_routed_experts=32, num_experts_per_tok=4, linear_num_heads=4,
+                   linear_head_dim=64, num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64,
+                   qk_nope_head_dim=64, v_head_dim=64, index_n_heads=8, index_head_dim=32, index_topk=64),
+        data=dict(vocab_size=4096),
+        optim=dict(lr=2e-3, warmup_steps=100, total_steps=2000),
+        run=dict(batch_size=8, seq_len=256, eval_every=200, eval_batches=16, save_every=200, keep=3, log_every=10,
+                 fast_compile=False),
+    ),
+}  # fmt: skip
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    name = arg or "tiny"
+    if name not in VARIANTS:
+        raise ValueError(f"configs/train.py: unknown variant {name!r}; choose one of {sorted(VARIANTS)}")
+    v = VARIANTS[name]
+    cfg = ml_collections.ConfigDict()
+    cfg.model = tiny.model_config("default")
+    cfg.model.update(v["model"])
+    _schedules(cfg.model)
+    cfg.model.eos_token_ids = [
+        0,
+        7,
+        9,
+    ]  # <|endoftext|>, <|user|>, <|observation|> (glm53.data.bpe.STOP_TOKENS)
+    cfg.model.pad_token_id = 0
+    cfg.data = ml_collections.ConfigDict(dict(root="", exclude=["site-packages", "dist-packages", "__pycache__"],
+                                              fractions=[0.9, 0.05, 0.05], salt="", vocab_size=4096,
+                                              min_frequency=2, max_files=0))  # fmt: skip
+    cfg.data.update(v["data"])
+    cfg.optim = ml_collections.ConfigDict(dict(lr=3e-3, warmup_steps=100, total_steps=1000, end_lr_ratio=0.1,
+                                               b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0,
+                                               bias_gamma=1e-3, compute_dtype="float32"))  # fmt: skip
+    cfg.optim.update(v["optim"])
+    cfg.loss = ml_collections.ConfigDict(dict(mtp_weight=0.3, balance_weight=1e-4))
+    cfg.seed = 0
+    cfg.update(v["run"])
+    return cfg

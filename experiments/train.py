@@ -1,0 +1,36 @@
+"""Train a GLM-5.3 model on the Python standard library's sources.
+
+  python -m experiments.train --config=configs/train.py:tiny --workdir=/tmp/run
+  python -m experiments.train --config=configs/train.py:small --workdir=runs/small --config.optim.total_steps=500
+
+The work directory holds the prepared data (tokenizer + token files), the Orbax checkpoints, run.json and
+metrics.jsonl (glm53/train/loop.py); running the command again on it resumes from its latest checkpoint.
+``--steps=N`` stops at step N (default: the config's optim.total_steps).
+"""
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from experiments import cli
+from glm53.train.loop import Trainer
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "training config (configs/train.py:NAME)",
+                                          lock_config=True)  # fmt: skip
+_WORKDIR = flags.DEFINE_string("workdir", None, "work directory (created; resumed when it holds a run)")
+_STEPS = flags.DEFINE_integer("steps", None, "stop at this step (default: optim.total_steps)")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if _CONFIG.value is None or _WORKDIR.value is None:
+        raise app.UsageError("give --config=configs/train.py:NAME and --workdir=DIR")
+    trainer = Trainer(_CONFIG.value, _WORKDIR.value)  # DataError / TrainingError: one line, exit 1 (cli)
+    try:
+        trainer.train(_STEPS.value)
+    finally:
+        trainer.close()
+
+
+if __name__ == "__main__":
+    cli.run(main)

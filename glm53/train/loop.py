@@ -1,0 +1,202 @@
+"""A training run in a work directory: data, model, jitted step, Orbax checkpoints, JSON-lines metrics, evaluation.
+
+    workdir/
+      data/          the prepared data (glm53.data.prepare): tokenizer, token files, manifest
+      run.json       the model / data / optim / loss config of the run (a resumed run must match it)
+      checkpoints/   Orbax CheckpointManager: step_N/ {state, meta}; an interrupted save never becomes "latest"
+      metrics.jsonl  one JSON object per logged step ("kind": "train") and per evaluation ("kind": "eval")
+
+`run(config, workdir)` resumes from the latest checkpoint when there is one: the state is restored exactly and
+the loader's batch is a function of (seed, step), so the resumed run reproduces the uninterrupted one's losses.
+A non-finite loss stops the run with a `TrainingError` naming the step; the last checkpoint (all finite) stays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from glm53.config import model_config_from_dict, model_config_to_dict
+from glm53.config.fields import from_dict, to_plain
+from glm53.data import bpe
+from glm53.data.packing import PackedLoader
+from glm53.data.prepare import data_config_from_dict, prepare_data
+from glm53.errors import ConfigError, TrainingError
+from glm53.files import write_json
+from glm53.model import Glm53Model
+from glm53.train import routing
+from glm53.train import step as S
+from glm53.train.loss import LossConfig
+
+RUN_KEYS = ("batch_size", "seq_len", "seed", "eval_every", "eval_batches", "save_every", "keep", "log_every",
+            "fast_compile")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    batch_size: int = 8
+    seq_len: int = 256
+    seed: int = 0
+    eval_every: int = 200
+    eval_batches: int = 16
+    save_every: int = 200
+    keep: int = 3
+    log_every: int = 10
+    fast_compile: bool = (
+        False  # XLA:CPU FAST_COMPILE (glm53.train.step.compiler_options): tests and smoke runs
+    )
+
+
+def run_identity(config) -> dict:
+    """What must not change between an interrupted run and its resumption."""
+    return dict(model=model_config_to_dict(model_config_from_dict(config.model)),
+                data=to_plain(config.data), optim=to_plain(config.optim), loss=to_plain(config.loss),
+                run={k: config[k] for k in RUN_KEYS})  # fmt: skip
+
+
+def _check_identity(workdir: str, ident: dict) -> None:
+    path = os.path.join(workdir, "run.json")
+    if not os.path.exists(path):
+        write_json(path, ident)
+        return
+    with open(path, encoding="utf-8") as f:
+        old = json.load(f)
+    if old != json.loads(json.dumps(ident)):
+        diff = sorted(f"{s}.{k}" for s in ident for k in set(ident[s]) | set(old.get(s, {}))
+                      if json.loads(json.dumps(ident[s])).get(k) != old.get(s, {}).get(k))  # fmt: skip
+        raise ConfigError(f"{path}: the work directory holds a run of another config (differs in {diff[:8]}); "
+                          "use a new --workdir")  # fmt: skip
+
+
+class Trainer:
+    """Everything a run needs, built from the experiment config (see configs/train.py)."""
+
+    def __init__(self, config, workdir: str, *, log=print):
+        self.workdir, self.log = os.path.abspath(workdir), log
+        os.makedirs(self.workdir, exist_ok=True)
+        self.rc = from_dict(RunConfig, {k: config[k] for k in RUN_KEYS}, "run config")
+        self.optim = from_dict(S.OptimConfig, config.optim, "optim config")
+        self.loss_cfg = from_dict(LossConfig, config.loss, "loss config")
+        self.cfg = model_config_from_dict(config.model)
+        _check_identity(self.workdir, run_identity(config))
+        data_dir = os.path.join(self.workdir, "data")
+        self.manifest = prepare_data(data_config_from_dict(config.data), data_dir, log=log)
+        bpe.check_vocab(os.path.join(data_dir, "tokenizer"), self.cfg)
+        kw = dict(batch_size=self.rc.batch_size, seq_len=self.rc.seq_len, pad_id=self.cfg.pad_token_id)
+        self.train_data = PackedLoader(os.path.join(data_dir, "train.bin"), seed=self.rc.seed, **kw)
+        self.val_data = PackedLoader(os.path.join(data_dir, "validation.bin"), **kw)
+        model = Glm53Model(self.cfg, rngs=nnx.Rngs(self.rc.seed), kernels={"moe": "reference"})
+        self.router_names = routing.instrument_routers(model)
+        self.graphdef, params, biases, self.rest = S.split_model(model)
+        self.tx = S.optimizer(self.optim)
+        self.state = S.init_state(params, biases, self.tx)
+        fast = self.rc.fast_compile
+        self.step_fn = S.make_train_step(self.graphdef, self.rest, self.tx, self.loss_cfg, self.optim,
+                                         self.router_names, fast_compile=fast)  # fmt: skip
+        self.eval_fn = S.make_eval_step(self.graphdef, self.rest, self.loss_cfg, self.optim.compute_dtype,
+                                        fast_compile=fast)  # fmt: skip
+        self.last_loads: dict = {}
+        self.treedef = jax.tree.structure(self.state)
+        self.manager = ocp.CheckpointManager(
+            os.path.join(self.workdir, "checkpoints"),
+            options=ocp.CheckpointManagerOptions(max_to_keep=self.rc.keep, enable_async_checkpointing=True),
+        )
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def save(self, step: int) -> None:
+        leaves = {str(i): x for i, x in enumerate(jax.tree.leaves(self.state))}
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(leaves),
+                                                        meta=ocp.args.JsonSave({"step": step})))  # fmt: skip
+
+    def restore_latest(self) -> int:
+        step = self.manager.latest_step()
+        if step is None:
+            return 0
+        abstract = {
+            str(i): jax.ShapeDtypeStruct(x.shape, x.dtype) for i, x in enumerate(jax.tree.leaves(self.state))
+        }
+        got = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                                 meta=ocp.args.JsonRestore()))  # fmt: skip
+        leaves = [jnp.asarray(got["state"][str(i)]) for i in range(len(abstract))]
+        self.state = jax.tree.unflatten(self.treedef, leaves)
+        self.log(f"resumed from {self.manager.directory}/{step}")
+        return step
+
+    # ------------------------------------------------------------------------------------------ evaluation
+    def evaluate(self, loader: PackedLoader, max_batches: int | None) -> dict:
+        sums: dict[str, float] = {}
+        for batch in loader.eval_batches(max_batches):
+            out = self.eval_fn(self.state.params, self.state.biases, batch)
+            for k, v in out.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        lm = sums["lm_nll"] / max(sums["lm_tokens"], 1.0)
+        res = dict(loss=lm, ppl=math.exp(min(lm, 50.0)), tokens=sums["lm_tokens"])
+        if sums.get("mtp_tokens"):
+            res["mtp_loss"] = sums["mtp_nll"] / sums["mtp_tokens"]
+        return res
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def train(self, steps: int | None = None) -> list[dict]:
+        """Runs until step `steps` (default optim.total_steps); returns the train metrics logged in this call."""
+        total = self.optim.total_steps if steps is None else steps
+        start = self.restore_latest()
+        logged, path = [], os.path.join(self.workdir, "metrics.jsonl")
+        t0, tokens = time.perf_counter(), 0.0
+        for step in range(start, total):
+            batch = self.train_data.batch(step)
+            self.state, m = self.step_fn(self.state, batch)
+            self.last_loads = m.pop("loads")
+            m = {k: float(v) for k, v in m.items()}
+            if not math.isfinite(m["loss"]):
+                self.manager.wait_until_finished()
+                kept = self.manager.latest_step()
+                raise TrainingError(f"step {step}: loss is {m['loss']}; stopped, the last good checkpoint is "
+                                    f"step {kept} in {self.manager.directory}")  # fmt: skip
+            tokens += m["tokens"]
+            done = step + 1
+            if done % self.rc.log_every == 0 or done == total:
+                dt = time.perf_counter() - t0
+                rec = dict(kind="train", step=done, **m, ppl=math.exp(min(m["lm_loss"], 50.0)),
+                           tokens_per_s=tokens / dt if dt > 0 else 0.0, epoch=self.train_data.epoch_of(done))  # fmt: skip
+                logged.append(rec)
+                _append(path, rec)
+                self.log(f"step {done}/{total} loss {m['loss']:.4f} lm {m['lm_loss']:.4f} mtp {m['mtp_loss']:.4f} "
+                         f"lr {m['lr']:.2e} |g| {m['grad_norm']:.3f} load {m.get('load_min', 0):.2f}-"
+                         f"{m.get('load_max', 0):.2f} {rec['tokens_per_s']:.0f} tok/s")  # fmt: skip
+                t0, tokens = time.perf_counter(), 0.0
+            if done % self.rc.eval_every == 0 or done == total:
+                ev = dict(
+                    kind="eval",
+                    step=done,
+                    split="validation",
+                    **self.evaluate(self.val_data, self.rc.eval_batches),
+                )
+                _append(path, ev)
+                self.log(f"eval step {done}: validation loss {ev['loss']:.4f} ppl {ev['ppl']:.2f}")
+            if done % self.rc.save_every == 0 or done == total:
+                self.save(done)
+            if done % self.rc.eval_every == 0 or done % self.rc.save_every == 0:
+                t0, tokens = time.perf_counter(), 0.0  # tokens/s counts training time only
+        self.manager.wait_until_finished()
+        return logged
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def _append(path: str, rec: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({k: (float(v) if isinstance(v, (np.floating, jnp.ndarray)) else v)
+                            for k, v in rec.items()}) + "\n")  # fmt: skip
+        f.flush()
