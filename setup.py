@@ -13,6 +13,7 @@ TEST = [
     "fla-core==0.6.0",
     "einops",
     "ruff",
+    "matplotlib",  # the training run's loss-curve PNG (glm53/train/plot.py)
 ]
 
 setup(
@@ -38,6 +39,7 @@ setup(
     ],
     extras_require={
         "test": TEST,
+        "plot": ["matplotlib"],  # the training run's loss-curve PNG (skipped with a log line without it)
         # libtpu: compiles for TPU on any host (tests marked tpu_compile); flatbuffers: jax.export serialization
         "tpu": ["jax[tpu]==0.10.2", "flatbuffers"],
     },

@@ -8,7 +8,9 @@ Variants:
 
 Sections: ``model`` (glm53.config.ModelConfig fields; vocab_size must equal the trained tokenizer's),
 ``data`` (glm53.data.DataConfig), ``optim`` (glm53.train.step.OptimConfig), ``loss``
-(glm53.train.loss.LossConfig), and the run: batch_size, seq_len, seed, eval_every, eval_batches, save_every,
+(glm53.train.loss.LossConfig), ``mesh`` (glm53.parallel.MeshConfig, as configs/tiny.py: the batch on "data", the
+tp / ep rules on "model"; a shape without -1 holding fewer devices uses the first ones, e.g.
+``--config.mesh.shape="(1, 1)"`` for one device), and the run: batch_size, seq_len, seed, eval_every, eval_batches, save_every,
 keep, log_every, fast_compile.
 """
 
@@ -69,6 +71,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                                bias_gamma=1e-3, compute_dtype="float32"))  # fmt: skip
     cfg.optim.update(v["optim"])
     cfg.loss = ml_collections.ConfigDict(dict(mtp_weight=0.3, balance_weight=1e-4))
+    cfg.mesh = tiny.mesh_config()
     cfg.seed = 0
     cfg.update(v["run"])
     return cfg

@@ -4,8 +4,9 @@
   python -m experiments.train --config=configs/train.py:small --workdir=runs/small --config.optim.total_steps=500
 
 The work directory holds the prepared data (tokenizer + token files), the Orbax checkpoints, run.json and
-metrics.jsonl (glm53/train/loop.py); running the command again on it resumes from its latest checkpoint.
-``--steps=N`` stops at step N (default: the config's optim.total_steps).
+metrics.jsonl and, at the end, loss.png (glm53/train/loop.py); running the command again on it resumes from its latest checkpoint.
+``--steps=N`` stops at step N (default: the config's optim.total_steps); ``--progress=false`` turns the progress
+bar off (it is off anyway when stderr is not a terminal).
 """
 
 from absl import app, flags
@@ -18,6 +19,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "training config (conf
                                           lock_config=True)  # fmt: skip
 _WORKDIR = flags.DEFINE_string("workdir", None, "work directory (created; resumed when it holds a run)")
 _STEPS = flags.DEFINE_integer("steps", None, "stop at this step (default: optim.total_steps)")
+_PROGRESS = flags.DEFINE_bool("progress", True, "a progress bar on stderr (only when it is a terminal)")
 
 
 def main(argv):
@@ -25,7 +27,9 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if _CONFIG.value is None or _WORKDIR.value is None:
         raise app.UsageError("give --config=configs/train.py:NAME and --workdir=DIR")
-    trainer = Trainer(_CONFIG.value, _WORKDIR.value)  # DataError / TrainingError: one line, exit 1 (cli)
+    trainer = Trainer(
+        _CONFIG.value, _WORKDIR.value, progress=_PROGRESS.value
+    )  # DataError / TrainingError: one line, exit 1 (cli)
     try:
         trainer.train(_STEPS.value)
     finally:

@@ -33,6 +33,7 @@ def _config(root, vocab):
     c.model.vocab_size = vocab
     c.optim.total_steps, c.optim.bias_gamma = 4, 0.01
     c.save_every, c.eval_every, c.log_every = 2, 4, 1
+    c.mesh.shape = (1, 1)  # one device (the sharded step: tests/test_train_sharded.py)
     return c
 
 
@@ -97,6 +98,7 @@ def test_metrics_jsonl_and_checkpoints(run):
     )
     assert abs(train[0]["loss"] - train[0]["lm_loss"] - 0.3 * train[0]["mtp_loss"]) < 1e-3
     assert t.manager.all_steps() == [2, 4]
+    assert (run["work"] / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the loss curves
 
 
 def test_resume_reproduces_the_uninterrupted_losses(run):

@@ -5,6 +5,7 @@
       run.json       the model / data / optim / loss config of the run (a resumed run must match it)
       checkpoints/   Orbax CheckpointManager: step_N/ {state, meta}; an interrupted save never becomes "latest"
       metrics.jsonl  one JSON object per logged step ("kind": "train") and per evaluation ("kind": "eval")
+      loss.png       the loss curves, written at the end of `Trainer.train` (glm53.train.plot; needs matplotlib)
 
 `run(config, workdir)` resumes from the latest checkpoint when there is one: the state is restored exactly and
 the loader's batch is a function of (seed, step), so the resumed run reproduces the uninterrupted one's losses.
@@ -17,6 +18,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -25,8 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from tqdm import tqdm
 
-from glm53.config import model_config_from_dict, model_config_to_dict
+from glm53 import build, parallel
+from glm53.config import mesh_config_from_dict, model_config_from_dict, model_config_to_dict
 from glm53.config.fields import from_dict, to_plain
 from glm53.data import bpe
 from glm53.data.packing import PackedLoader
@@ -34,7 +38,7 @@ from glm53.data.prepare import data_config_from_dict, prepare_data
 from glm53.errors import ConfigError, TrainingError
 from glm53.files import write_json
 from glm53.model import Glm53Model
-from glm53.train import routing
+from glm53.train import plot, routing
 from glm53.train import step as S
 from glm53.train.loss import LossConfig
 
@@ -78,11 +82,36 @@ def _check_identity(workdir: str, ident: dict) -> None:
                           "use a new --workdir")  # fmt: skip
 
 
+def train_mesh(config, cfg) -> tuple[jax.sharding.Mesh, parallel.Rules]:
+    """(mesh, rules) of the config's ``mesh`` section. No section: one device. A shape without -1 that holds
+    fewer devices than there are: the first that many devices. Otherwise `glm53.build.experiment_mesh` (the
+    default shape falls back to one device when the model does not split)."""
+    if "mesh" not in config or config.mesh is None:
+        return parallel.make_mesh(parallel.MeshConfig(shape=(1, 1)), jax.devices()[:1]), parallel.get_rules(
+            "tp"
+        )
+    mc = mesh_config_from_dict(config.mesh)
+    n = math.prod(mc.shape)
+    if -1 not in mc.shape and n < jax.device_count():
+        mesh, rules = parallel.make_mesh(mc, jax.devices()[:n]), parallel.get_rules(mc.rules)
+        parallel.check_config(cfg, mesh, rules)
+        return mesh, rules
+    return build.experiment_mesh(config, cfg)
+
+
+def progress_enabled(progress: bool, stream=None) -> bool:
+    """Whether the training loop shows its progress bar: asked for and `stream` (default stderr) a terminal."""
+    stream = sys.stderr if stream is None else stream
+    return bool(progress) and hasattr(stream, "isatty") and stream.isatty()
+
+
 class Trainer:
     """Everything a run needs, built from the experiment config (see configs/train.py)."""
 
-    def __init__(self, config, workdir: str, *, log=print):
+    def __init__(self, config, workdir: str, *, log=print, progress: bool = True):
+        """`progress`: a tqdm progress bar on stderr while training (only when stderr is a terminal)."""
         self.workdir, self.log = os.path.abspath(workdir), log
+        self.progress = progress
         os.makedirs(self.workdir, exist_ok=True)
         self.rc = from_dict(RunConfig, {k: config[k] for k in RUN_KEYS}, "run config")
         self.optim = from_dict(S.OptimConfig, config.optim, "optim config")
@@ -99,10 +128,15 @@ class Trainer:
         self.router_names = routing.instrument_routers(model)
         self.graphdef, params, biases, self.rest = S.split_model(model)
         self.tx = S.optimizer(self.optim)
-        self.state = S.init_state(params, biases, self.tx)
+        self.mesh, self.rules = train_mesh(config, self.cfg)
+        state = S.init_state(params, biases, self.tx)
+        self.state_sh = S.state_shardings(state, self.mesh, self.rules)
+        self.batch_sh = S.batch_sharding(self.mesh, self.rules, self.rc.batch_size)
+        self.state = jax.device_put(state, self.state_sh)
         fast = self.rc.fast_compile
         self.step_fn = S.make_train_step(self.graphdef, self.rest, self.tx, self.loss_cfg, self.optim,
-                                         self.router_names, fast_compile=fast)  # fmt: skip
+                                         self.router_names, fast_compile=fast,
+                                         shardings=(self.state_sh, self.batch_sh))  # fmt: skip
         self.eval_fn = S.make_eval_step(self.graphdef, self.rest, self.loss_cfg, self.optim.compute_dtype,
                                         fast_compile=fast)  # fmt: skip
         self.last_loads: dict = {}
@@ -122,13 +156,12 @@ class Trainer:
         step = self.manager.latest_step()
         if step is None:
             return 0
-        abstract = {
-            str(i): jax.ShapeDtypeStruct(x.shape, x.dtype) for i, x in enumerate(jax.tree.leaves(self.state))
-        }
+        abstract = {str(i): jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                    for i, x in enumerate(jax.tree.leaves(self.state))}  # fmt: skip
         got = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                                  meta=ocp.args.JsonRestore()))  # fmt: skip
-        leaves = [jnp.asarray(got["state"][str(i)]) for i in range(len(abstract))]
-        self.state = jax.tree.unflatten(self.treedef, leaves)
+        leaves = [got["state"][str(i)] for i in range(len(abstract))]
+        self.state = jax.device_put(jax.tree.unflatten(self.treedef, leaves), self.state_sh)
         self.log(f"resumed from {self.manager.directory}/{step}")
         return step
 
@@ -147,13 +180,27 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ the loop
     def train(self, steps: int | None = None) -> list[dict]:
-        """Runs until step `steps` (default optim.total_steps); returns the train metrics logged in this call."""
+        """Runs until step `steps` (default optim.total_steps); returns the train metrics logged in this call.
+        At the end the loss curves of metrics.jsonl go to ``loss.png`` (`glm53.train.plot`)."""
         total = self.optim.total_steps if steps is None else steps
         start = self.restore_latest()
         logged, path = [], os.path.join(self.workdir, "metrics.jsonl")
+        _drop_torn_line(path)
+        bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True,
+                   disable=not progress_enabled(self.progress))  # fmt: skip
+        try:
+            self._loop(start, total, path, logged, bar)
+        finally:
+            bar.close()
+        self.manager.wait_until_finished()
+        if os.path.exists(path):
+            plot.plot_losses(path, os.path.join(self.workdir, "loss.png"), log=self.log)
+        return logged
+
+    def _loop(self, start: int, total: int, path: str, logged: list, bar) -> None:
         t0, tokens = time.perf_counter(), 0.0
         for step in range(start, total):
-            batch = self.train_data.batch(step)
+            batch = jax.device_put(self.train_data.batch(step), self.batch_sh)
             self.state, m = self.step_fn(self.state, batch)
             self.last_loads = m.pop("loads")
             m = {k: float(v) for k, v in m.items()}
@@ -164,6 +211,8 @@ class Trainer:
                                     f"step {kept} in {self.manager.directory}")  # fmt: skip
             tokens += m["tokens"]
             done = step + 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{m['loss']:.4f}", refresh=False)
             if done % self.rc.log_every == 0 or done == total:
                 dt = time.perf_counter() - t0
                 rec = dict(kind="train", step=done, **m, ppl=math.exp(min(m["lm_loss"], 50.0)),
@@ -187,12 +236,20 @@ class Trainer:
                 self.save(done)
             if done % self.rc.eval_every == 0 or done % self.rc.save_every == 0:
                 t0, tokens = time.perf_counter(), 0.0  # tokens/s counts training time only
-        self.manager.wait_until_finished()
-        return logged
 
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _drop_torn_line(path: str) -> None:
+    """Cuts a last line without its newline (a run killed while appending) so that the next record starts a line."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
 
 
 def _append(path: str, rec: dict[str, Any]) -> None:

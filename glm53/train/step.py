@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from glm53 import parallel
 from glm53.layers.param import path_str
 from glm53.train import routing
 from glm53.train.loss import LossConfig, losses
@@ -89,6 +91,30 @@ def init_state(params, biases, tx: optax.GradientTransformation) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, biases=biases, opt_state=tx.init(params))
 
 
+def state_shardings(state: TrainState, mesh: Mesh, rules) -> TrainState:
+    """NamedShardings of a TrainState on `mesh`: the parameters and every optimizer-state subtree shaped like
+    them by the parameters' rules (`glm53.parallel.state_shardings`), the step, router biases and scalars
+    replicated."""
+    rep = NamedSharding(mesh, PartitionSpec())
+    p_sh = parallel.state_shardings(state.params, mesh, rules)
+    p_def = jax.tree.structure(state.params)
+    like = lambda x: jax.tree.structure(x) == p_def  # noqa: E731
+    opt_sh = jax.tree.map(lambda x: p_sh if like(x) else rep, state.opt_state, is_leaf=like)
+    return TrainState(
+        step=rep, params=p_sh, biases=jax.tree.map(lambda _: rep, state.biases), opt_state=opt_sh
+    )
+
+
+def batch_sharding(mesh: Mesh, rules, batch_size: int) -> NamedSharding:
+    """The batch's rows on the mesh axes of the logical "batch" axis ("data"); ValueError naming `batch_size`
+    when they do not divide it."""
+    axes = parallel.get_rules(rules).mesh_axes(parallel.BATCH)
+    n = parallel.axis_size(mesh, axes, "batch")
+    if batch_size % n:
+        raise ValueError(f"batch_size={batch_size} does not split over the mesh's {axes} axes ({n} devices)")
+    return NamedSharding(mesh, PartitionSpec(axes or None))
+
+
 def cast_params(params, dtype):
     """Floating parameters in `dtype`, except the routers' (always f32)."""
     flat = nnx.to_flat_state(params)
@@ -138,10 +164,13 @@ def make_train_step(
     *,
     jit=True,
     fast_compile=False,
+    shardings: tuple[TrainState, NamedSharding] | None = None,
 ):
     """step(state, batch) -> (new state, metrics); metrics: loss, lm_loss, mtp_loss, balance_loss, grad_norm (before
     clipping), lr (of this step), load_max / load_min, tokens (targets of the next-token loss), and ``loads``
-    {router name: f32 [E]} (the loads the bias update used)."""
+    {router name: f32 [E]} (the loads the bias update used). `shardings`: (state shardings, batch sharding)
+    (`state_shardings`, `batch_sharding`) to compile the step for a mesh: the state keeps its shardings, the
+    metrics come back replicated."""
     compute_dtype = jnp.dtype(optim.compute_dtype)
     loss_fn = make_loss_fn(graphdef, rest, loss_cfg, compute_dtype, router_names)
     lr_at = schedule(optim)
@@ -156,7 +185,14 @@ def make_train_step(
                        loads=aux["loads"], **load_stats(aux["loads"]))  # fmt: skip
         return TrainState(state.step + 1, params, biases, opt_state), metrics
 
-    return jax.jit(step, donate_argnums=0, compiler_options=compiler_options(fast_compile)) if jit else step
+    if not jit:
+        return step
+    kw = {}
+    if shardings is not None:
+        state_sh, batch_sh = shardings
+        rep = NamedSharding(batch_sh.mesh, PartitionSpec())
+        kw = dict(in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, rep))
+    return jax.jit(step, donate_argnums=0, compiler_options=compiler_options(fast_compile), **kw)
 
 
 def make_eval_step(
