@@ -4,7 +4,10 @@ Variants:
   tiny   the tiny default architecture (configs/tiny.py) with a 512-token BPE on 40 stdlib files; a few steps,
          for tests and smoke runs
   small  a first real run on the whole standard library: 4096-token BPE, hidden 256, 8 layers (DSA at 3, 7),
-         32 experts top-4 of width 256, a shared expert, an MTP layer (a starting point for the shipped model)
+         32 experts top-4 of width 256, a shared expert, an MTP layer
+  mini   the shipped model (glm53/assets/mini): as small, but dense MLPs in layers 0-6 and MoE in layer 7 and the
+         MTP block (three MoE layers would not fit the 50 MB bf16 budget: each is 6.5M parameters), 560 steps of
+         8 x 256 tokens, router bias step 1e-2 (the release's 1e-3 balances too slowly for a run this short)
 
 Sections: ``model`` (glm53.config.ModelConfig fields; vocab_size must equal the trained tokenizer's),
 ``data`` (glm53.data.DataConfig), ``optim`` (glm53.train.step.OptimConfig), ``loss``
@@ -19,10 +22,10 @@ import ml_collections
 from configs import tiny
 
 
-def _schedules(d: ml_collections.ConfigDict) -> None:
+def _schedules(d: ml_collections.ConfigDict, dense: int = 3) -> None:
     n = d.num_hidden_layers
     d.layer_types = ["dsa" if i % 4 == 3 else "kda" for i in range(n)]
-    d.mlp_layer_types = ["dense"] * min(3, n - 1) + ["moe"] * (n - min(3, n - 1))
+    d.mlp_layer_types = ["dense"] * min(dense, n - 1) + ["moe"] * (n - min(dense, n - 1))
     d.indexer_types = ["full"] * n
 
 
@@ -44,6 +47,17 @@ VARIANTS = {
         run=dict(batch_size=8, seq_len=256, eval_every=200, eval_batches=16, save_every=200, keep=3, log_every=10,
                  fast_compile=False),
     ),
+    "mini": dict(
+        model=dict(vocab_size=4096, hidden_size=256, num_hidden_layers=8, intermediate_size=512,
+                   moe_intermediate_size=256, n_routed_experts=32, num_experts_per_tok=4, linear_num_heads=4,
+                   linear_head_dim=64, num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64,
+                   qk_nope_head_dim=64, v_head_dim=64, index_n_heads=8, index_head_dim=32, index_topk=64),
+        dense_layers=7,
+        data=dict(vocab_size=4096),
+        optim=dict(lr=3e-3, warmup_steps=40, total_steps=560, bias_gamma=1e-2),
+        run=dict(batch_size=8, seq_len=256, eval_every=80, eval_batches=8, save_every=80, keep=2, log_every=10,
+                 fast_compile=False),
+    ),
 }  # fmt: skip
 
 
@@ -55,7 +69,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     cfg = ml_collections.ConfigDict()
     cfg.model = tiny.model_config("default")
     cfg.model.update(v["model"])
-    _schedules(cfg.model)
+    _schedules(cfg.model, v.get("dense_layers", 3))
     cfg.model.eos_token_ids = [
         0,
         7,

@@ -248,7 +248,7 @@ def test_moe_experts_vs_f64_loop(expert_case):
     want = _np_moe(x, ids, w, wg, wu, wd, LIMIT)
     f = lambda a: jnp.asarray(a, jnp.float32)
     got = {}
-    for impl in ("reference", "dense_einsum", "xla_quant_decode", "xla_quant_prefill", "xla_cpu_decode",
+    for impl in ("reference", "dense_einsum", "blocked", "xla_quant_decode", "xla_quant_prefill", "xla_cpu_decode",
                  "xla_cpu_prefill"):  # fmt: skip
         fn = jax.jit(lambda *a, impl=impl: api.moe_experts(*a, LIMIT, implementation=impl))
         got[impl] = fn(f(x), jnp.asarray(ids), f(w), f(wg), f(wu), f(wd))
@@ -269,6 +269,38 @@ def test_moe_experts_vs_f64_loop(expert_case):
         f"bf16 ref vs dense rel {rel(yb['reference'], yb['dense_einsum']):.2e}, vs f64 {rel(yb['reference'], want):.2e}"
     )
     assert rel(yb["reference"], yb["dense_einsum"]) <= 2e-2 and rel(yb["reference"], want) <= 5e-2
+
+
+@pytest.mark.parametrize("block_rows", (1, 4, 64))
+def test_blocked_values_and_gradients(expert_case, block_rows):
+    """The training implementation (kernels.moe.blocked) at block sizes below, across and above the group sizes,
+    and with every slot routed to one expert: values vs the f64 loop, gradients (x, routing weights, the three
+    expert tensors) vs the gradients of the every-expert-on-every-token formulation (dense_einsum)."""
+    from kernels.moe import blocked
+
+    x, ids, w, wg, wu, wd = expert_case
+    f = lambda a: jnp.asarray(a, jnp.float32)
+    one = np.full_like(ids, 7)
+    one[2, 1] = 16  # ... plus an empty slot
+    for case in (ids, one):
+        want = _np_moe(x, case, w, wg, wu, wd, LIMIT)
+        got = blocked.moe_experts_blocked(f(x), jnp.asarray(case), f(w), f(wg), f(wu), f(wd), LIMIT,
+                                          block_rows=block_rows)  # fmt: skip
+        assert rel(got, want) <= 1e-5
+
+        def loss(impl, *a):
+            y = api.moe_experts(a[0], jnp.asarray(case), *a[1:], LIMIT, implementation=impl)
+            return jnp.sum(jnp.sin(y))
+
+        args = (f(x), f(w), f(wg), f(wu), f(wd))
+        with jax.default_matmul_precision("highest"):
+            g_b = jax.grad(lambda *a: loss("blocked", *a), argnums=range(5))(*args)
+            g_d = jax.grad(lambda *a: loss("dense_einsum", *a), argnums=range(5))(*args)
+        errs = [rel(a, b) for a, b in zip(g_b, g_d)]
+        print(f"blocked block_rows={block_rows}: value rel {rel(got, want):.2e}, grad rel {max(errs):.2e}")
+        assert max(errs) <= 1e-5
+    n_blocks = blocked.block_layout(jnp.asarray(ids), 16, block_rows)[3]
+    assert n_blocks == -(-ids.size // block_rows) + 16
 
 
 def test_moe_experts_few_slots_vs_f64_loop(expert_case):

@@ -355,18 +355,19 @@ def _tpu_program(topology: str, path: str, name: str, dtype: str):
     return tpu.mosaic_ops(lowered), lowered.compile()
 
 
-# Every case in f32 and bf16 on v5e (the target); bf16, the serving dtype, on the other generations (keeps CI short).
+# Every case in bf16 (the serving dtype) on v5e, the target; and each case once more on one other target in
+# turn (v5e f32, v5p bf16, v6e bf16, ...), so every target compiles both paths of at least one case (keeps CI short).
+_OTHER_TARGETS = [(tpu.TOPOLOGIES[0], "float32")] + [(t, "bfloat16") for t in tpu.TOPOLOGIES[1:]]
 _COMPILE_CASES = [
-    (topology, dtype)
-    for topology in tpu.TOPOLOGIES
-    for dtype in (("float32", "bfloat16") if topology == tpu.TOPOLOGIES[0] else ("bfloat16",))
+    pytest.param(topology, dtype, name, id=f"{topology}-{name}-{dtype}")
+    for i, name in enumerate(_IDS)
+    for topology, dtype in ((tpu.TOPOLOGIES[0], "bfloat16"), _OTHER_TARGETS[i % len(_OTHER_TARGETS)])
 ]
 
 
 @pytest.mark.tpu_compile
-@pytest.mark.parametrize("name", _IDS)
 @pytest.mark.parametrize("path", ["decode", "prefill"])
-@pytest.mark.parametrize("topology, dtype", _COMPILE_CASES)
+@pytest.mark.parametrize("topology, dtype, name", _COMPILE_CASES)
 def test_compiles_for_tpu_and_counts_gathers(topology, path, name, dtype):
     """Both kernels of each path compile for TPU (Pallas -> Mosaic -> libtpu; a kernel Mosaic rejects fails
     here): 2 Mosaic kernels in the compiled program (gate+up, down), each with its matmuls. Gathers: none for

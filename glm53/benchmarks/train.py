@@ -62,7 +62,7 @@ def _batch(cfg: ModelConfig, s: Settings) -> np.ndarray:
 
 def ours(folder: str, tokens: np.ndarray, fast_compile: bool) -> Callable[[], float]:
     """A step function (one train step per call; returns its loss) of glm53 on the HF folder's weights."""
-    _, model = hf_ckpt.load_hf_model(folder, dtype=np.float32, with_mtp=False)
+    _, model = hf_ckpt.load_hf_model(folder, dtype=np.float32, with_mtp=False, kernels=S.TRAIN_KERNELS)
     names = routing.instrument_routers(model)
     graphdef, params, biases, rest = S.split_model(model)
     tx = S.optimizer(OPTIM)

@@ -124,7 +124,7 @@ class Trainer:
         kw = dict(batch_size=self.rc.batch_size, seq_len=self.rc.seq_len, pad_id=self.cfg.pad_token_id)
         self.train_data = PackedLoader(os.path.join(data_dir, "train.bin"), seed=self.rc.seed, **kw)
         self.val_data = PackedLoader(os.path.join(data_dir, "validation.bin"), **kw)
-        model = Glm53Model(self.cfg, rngs=nnx.Rngs(self.rc.seed), kernels={"moe": "reference"})
+        model = Glm53Model(self.cfg, rngs=nnx.Rngs(self.rc.seed), kernels=S.TRAIN_KERNELS)
         self.router_names = routing.instrument_routers(model)
         self.graphdef, params, biases, self.rest = S.split_model(model)
         self.tx = S.optimizer(self.optim)

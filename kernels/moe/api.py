@@ -6,6 +6,9 @@ of those kernel shapes (any mix). Implementations:
   reference           sort slots by expert, `jax.lax.ragged_dot`, f32 accumulation; quantized weights are
                       dequantized whole first. The oracle.
   dense_einsum        every expert on every token, masked (tiny sizes only).
+  blocked             slots sorted into expert-aligned blocks of rows, one batched matmul per block
+                      (kernels.moe.blocked): dropless, static shapes, differentiable; dense kernels only. What
+                      training runs.
   xla_quant           plain XLA, cost per distinct routed expert (kernels.moe.xla_quant): the GPU path.
                       xla_quant_decode / xla_quant_prefill force one form.
   xla_cpu             plain XLA shaped for XLA:CPU (kernels.moe.xla_cpu): one distinct expert at a time, dense
@@ -33,7 +36,7 @@ import jax.numpy as jnp
 
 from glm53.quant.qweight import QuantizedExperts
 from kernels import dispatch
-from kernels.moe import pallas_tpu_decode, pallas_tpu_prefill, reference, xla_cpu, xla_quant
+from kernels.moe import blocked, pallas_tpu_decode, pallas_tpu_prefill, reference, xla_cpu, xla_quant
 from kernels.moe.reference import clamped_swiglu
 
 __all__ = [
@@ -77,6 +80,7 @@ def _pallas_tpu(mode: str):
 _IMPLEMENTATIONS = {
     "reference": reference.moe_experts,
     "dense_einsum": reference.moe_experts_dense,
+    "blocked": blocked.moe_experts_blocked,
     "xla_quant_decode": xla_quant.moe_experts_decode,
     "xla_quant_prefill": xla_quant.moe_experts_prefill,
     "xla_cpu_decode": xla_cpu.moe_experts_decode,
