@@ -21,6 +21,8 @@ setup(
     version="0.1.0",
     description="GLM-5.3-Flash in JAX / Flax NNX: configs, GGUF codebook experts, Pallas kernels",
     packages=find_packages(include=["glm53", "glm53.*", "kernels", "kernels.*"]),
+    # The model shipped as the entry points' default (glm53/assets/mini/: config, weights, tokenizer, card).
+    package_data={"glm53.assets": ["*/*"]},
     python_requires=">=3.10",
     install_requires=[
         "jax==0.10.2",

@@ -1,12 +1,15 @@
 """Score token sequences: full logits and mean next-token NLL.
 
+  python -m experiments.score --tokens=tokens.json --out=scores.npz          # the shipped model
   python -m experiments.score --config=configs/tiny.py --tokens=tokens.json --out=scores.npz
   python -m experiments.score --weights=HF_DIR --tokens=tokens.json --out=scores.npz
   python -m experiments.score --weights=MODEL.gguf --tokens=tokens.json --out=scores.npz
   python -m experiments.score --weights=HF_DIR --experts=EXPERTS.gguf --tokens=tokens.json --out=scores.npz
 
 tokens.json is a JSON list of token-id lists. OUT.npz holds logits_0, logits_1, ... (float32 [T_i, vocab]) and
-nll (mean next-token NLL per sequence). --config without --weights scores the seeded random model of that config.
+nll (mean next-token NLL per sequence). Without --weights and --config it scores the trained model shipped with
+glm53 (`glm53.assets`, exactly as ``--weights=glm53/assets/mini``; the first line names it); --config without
+--weights scores the seeded random model of that config.
 The model runs on the config's device mesh (``--config.mesh.shape=(1,8) --config.mesh.rules=ep``); --weights
 without --config: the default mesh (every device on "model", tensor parallel).
 """
@@ -19,14 +22,17 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from experiments import cli
-from glm53 import build, scoring
+from glm53 import assets, build, scoring
 from glm53.config import model_config_from_dict
 from glm53.files import atomic_write
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "experiment config (configs/*.py[:variant])", lock_config=True
 )
-_WEIGHTS = flags.DEFINE_string("weights", None, "HF safetensors folder, Orbax checkpoint or GGUF file")
+_WEIGHTS = flags.DEFINE_string(
+    "weights", None,
+    "HF safetensors folder, Orbax checkpoint or GGUF file (neither this nor --config: the shipped glm53-mini)",
+)  # fmt: skip
 _EXPERTS = flags.DEFINE_string("experts", None, "GGUF file with the routed experts (--weights: HF folder)")
 _TOKENS = flags.DEFINE_string("tokens", None, "JSON file: a list of token-id lists", required=True)
 _OUT = flags.DEFINE_string("out", "scores.npz", "output .npz")
@@ -51,24 +57,24 @@ def read_tokens(path: str, vocab_size: int | None = None, max_len: int | None = 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if _WEIGHTS.value is None and _CONFIG.value is None:
-        raise app.UsageError("give --weights or --config (or both: --config then gives the mesh and quant)")
-    if _EXPERTS.value and not _WEIGHTS.value:
-        raise app.UsageError("--experts needs --weights=HF_DIR")
+    if _EXPERTS.value and _CONFIG.value is not None and not _WEIGHTS.value:
+        raise app.UsageError(
+            "--experts needs --weights=HF_DIR (or neither --weights nor --config: the shipped model)"
+        )
     out_dir = os.path.dirname(os.path.abspath(_OUT.value))
     if not os.path.isdir(out_dir):
         raise app.UsageError(f"--out={_OUT.value}: folder {out_dir} does not exist")
     seqs = read_tokens(_TOKENS.value)
-    cfg = (build.weights_config(_WEIGHTS.value) if _WEIGHTS.value
-           else model_config_from_dict(_CONFIG.value.model))  # fmt: skip
+    weights, label = assets.resolve(_WEIGHTS.value, _CONFIG.value)
+    cfg = build.weights_config(weights) if weights else model_config_from_dict(_CONFIG.value.model)
     read_tokens(_TOKENS.value, cfg.vocab_size, cfg.max_position_embeddings)
     run = build.sharded_model(
-        _CONFIG.value, weights=_WEIGHTS.value, experts=_EXPERTS.value, dtype=build.parse_dtype(_DTYPE.value),
+        _CONFIG.value, weights=weights, experts=_EXPERTS.value, dtype=build.parse_dtype(_DTYPE.value),
         with_mtp=build.MTP_CHOICES[_MTP.value], verify=_VERIFY.value,
     )  # fmt: skip
     logging.debug("model config: %s", run.cfg)
     print(build.describe_run(run, config_name=cli.config_name("config"), seed=_CONFIG.value and _CONFIG.value.seed,
-                             weights=_WEIGHTS.value))  # fmt: skip
+                             weights=weights, label=label))  # fmt: skip
     logits, nll = scoring.score(run.model, seqs)
     arrays = {f"logits_{i}": lg for i, lg in enumerate(logits)}
     arrays["nll"] = nll

@@ -190,11 +190,12 @@ def sharded_model(
 
 
 def describe_run(run: ShardedModel, *, config_name: str | None = None, seed: int | None = None,
-                 weights: str | None = None) -> str:  # fmt: skip
-    """One line saying what an entry point runs: the weights (or the config and seed of a random model, whose
-    output is noise), the parameter count, the MTP block and the mesh."""
+                 weights: str | None = None, label: str | None = None) -> str:  # fmt: skip
+    """One line saying what an entry point runs: `label` (e.g. the default model's name), else the weights (or
+    the config and seed of a random model, whose output is noise); the parameter count, the MTP block and the
+    mesh."""
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(run.model, nnx.Param)))
-    what = (
+    what = label or (
         f"weights {weights}"
         if weights
         else f"config {config_name}, random weights (seed {seed}): output is noise"

@@ -288,7 +288,7 @@ def test_blocked_values_and_gradients(expert_case, block_rows):
                                           block_rows=block_rows)  # fmt: skip
         assert rel(got, want) <= 1e-5
 
-        def loss(impl, *a):
+        def loss(impl, *a, case=case):
             y = api.moe_experts(a[0], jnp.asarray(case), *a[1:], LIMIT, implementation=impl)
             return jnp.sum(jnp.sin(y))
 

@@ -64,7 +64,9 @@ def moe_experts_blocked(
     """sum_k w[t,k] * Expert_{ids[t,k]}(x[t]) as a blocked grouped matmul (module docstring); [T, D] in x's dtype."""
     ws = (w_gate, w_up, w_down)
     if any(isinstance(w, QuantizedExperts) for w in ws):
-        raise NotImplementedError("the blocked implementation takes dense expert kernels, not QuantizedExperts")
+        raise NotImplementedError(
+            "the blocked implementation takes dense expert kernels, not QuantizedExperts"
+        )
     t, k = topk_ids_tk.shape
     e, d = w_gate.shape[0], x_td.shape[1]
     dest, order, block_expert, n_blocks = block_layout(topk_ids_tk, e, block_rows)
@@ -75,7 +77,9 @@ def moe_experts_blocked(
     xb = xs.reshape(n_blocks, block_rows, d)
 
     def mm(spec, a, w):
-        return jnp.einsum(spec, a, w[bex].astype(a.dtype), precision=_HIGHEST, preferred_element_type=jnp.float32)
+        return jnp.einsum(
+            spec, a, w[bex].astype(a.dtype), precision=_HIGHEST, preferred_element_type=jnp.float32
+        )
 
     h = clamped_swiglu(mm("bnd,bdf->bnf", xb, w_gate), mm("bnd,bdf->bnf", xb, w_up), swiglu_limit)
     o = mm("bnf,bfd->bnd", h.astype(x_td.dtype), w_down).reshape(rows, d)  # f32
