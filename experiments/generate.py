@@ -98,15 +98,6 @@ def speculative_vs_greedy(gen: generate.Generator, ids: list[int], max_new: int,
     return spec, greedy, line
 
 
-def identity_line(spec: list[int], greedy: list[int]) -> str:
-    """Whether speculative decoding gave plain greedy decoding's tokens (it must: drafts are only verified)."""
-    if spec == greedy:
-        return f"greedy identity: speculative and plain greedy decoding give the same {len(spec)} tokens"
-    i = next((k for k, (a, b) in enumerate(zip(spec, greedy)) if a != b), min(len(spec), len(greedy)))
-    return (f"greedy identity FAILS: speculative and plain greedy decoding differ from new token {i}; plain "
-            f"greedy ids: {greedy}")  # fmt: skip
-
-
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -170,7 +161,7 @@ def main(argv):
     print(line)
     if _SPEC.value:
         print(f"MTP drafts accepted: {res.accepted}/{res.drafted} ({res.acceptance_rate:.1%})")
-        print(identity_line(new, greedy.tokens[0]))
+        print(generate.identity_line(new, greedy.tokens[0]))
         print(speed)
 
 

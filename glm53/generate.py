@@ -270,3 +270,12 @@ class Generator:
                     out.append(tok)
         t2 = time.perf_counter()
         return GenerationResult([out], t1 - t0, t2 - t1, steps, accepted=accepted, drafted=drafted)
+
+
+def identity_line(spec: list[int], greedy: list[int]) -> str:
+    """Whether speculative decoding gave plain greedy decoding's tokens (it must: drafts are only verified)."""
+    if spec == greedy:
+        return f"greedy identity: speculative and plain greedy decoding give the same {len(spec)} tokens"
+    i = next((k for k, (a, b) in enumerate(zip(spec, greedy)) if a != b), min(len(spec), len(greedy)))
+    return (f"greedy identity FAILS: speculative and plain greedy decoding differ from new token {i}; plain "
+            f"greedy ids: {greedy}")  # fmt: skip

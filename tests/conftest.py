@@ -28,6 +28,8 @@ LONGEST_FIRST = (
     "test_train_step.py",
     "test_train_sharded.py",
     "test_train_kill.py",
+    "test_defaults.py",
+    "test_export.py",
     "test_tpu_compile.py",
     "test_generation.py",
     "test_entry_points.py",
