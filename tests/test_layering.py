@@ -18,7 +18,7 @@ PACKAGES = ("glm53", "kernels")
 
 # Lowest first. A module belongs to the longest prefix that names it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("glm53", "glm53.errors", "glm53.dims", "glm53.files"),  # names, errors, files: no project imports
+    ("glm53", "glm53.errors", "glm53.dims", "glm53.files", "glm53.assets"),  # names, errors, files, the shipped model's path
     ("glm53.quant.formats", "glm53.quant.tables", "glm53.quant.mixes"),  # format tables and mixes (pure data)
     ("glm53.config",),  # frozen config dataclasses
     ("glm53.quant",),  # dequantizers, planes, re-encoding, byte counts, the quantized-experts leaf
