@@ -35,18 +35,6 @@ CARD_VERSION = 1
 
 
 # ------------------------------------------------------------------------------------------------ run files
-def read_metrics(path: str) -> list[dict]:
-    """The records of a metrics.jsonl (a torn last line is skipped)."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
-
-
 def training_summary(records: list[dict], *, batch_size: int, seq_len: int) -> dict:
     """Steps, tokens seen, training time and the last losses of a run's metrics records (module docstring)."""
     train = [r for r in records if r.get("kind") == "train"]

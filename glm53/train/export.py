@@ -24,7 +24,7 @@ from glm53.data.corpus import find_sources
 from glm53.data.prepare import data_config_from_dict, fingerprint, read_manifest, split_files
 from glm53.errors import ConfigError
 from glm53.files import atomic_write, write_json
-from glm53.train import card
+from glm53.train import card, plot
 from glm53.train.loop import RUN_KEYS, Trainer, run_identity
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -120,7 +120,7 @@ def export_run(
     config = run_config(workdir)
     manifest = check_data(workdir, config)
     cfg, model, step = restore(workdir, config, log=lambda m: None)
-    records = card.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+    records = plot.read_metrics(os.path.join(workdir, "metrics.jsonl"))
     training = card.training_summary([r for r in records if r.get("step", 0) <= step],
                                      batch_size=config.batch_size, seq_len=config.seq_len)  # fmt: skip
     training.update(batch_size=config.batch_size, seq_len=config.seq_len, checkpoint_step=step,
