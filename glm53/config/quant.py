@@ -11,7 +11,7 @@ from glm53.quant.mixes import LAYOUTS, MATRICES, ExpertMix, parse_mix
 
 # Implementations of kernels.moe.api.moe_experts (tests check this equals the api's table).
 MOE_IMPLEMENTATIONS = (
-    "auto", "reference", "dense_einsum", "xla_quant", "xla_quant_decode", "xla_quant_prefill",
+    "auto", "reference", "dense_einsum", "blocked", "xla_quant", "xla_quant_decode", "xla_quant_prefill",
     "xla_cpu", "xla_cpu_decode", "xla_cpu_prefill",
     "pallas_tpu", "pallas_tpu_decode", "pallas_tpu_prefill",
 )  # fmt: skip
