@@ -15,6 +15,8 @@ TEST = [
     "ruff",
     "matplotlib",  # the training run's loss-curve PNG (glm53/train/plot.py)
 ]
+SERVE = ["fastapi", "uvicorn", "pydantic>=2", "prometheus-client"]  # experiments.serve (glm53/serving/app.py)
+TEST += SERVE + ["openai", "anthropic"]  # the server is tested with the official SDKs
 
 setup(
     name="glm53",
@@ -41,6 +43,7 @@ setup(
     ],
     extras_require={
         "test": TEST,
+        "serve": SERVE,
         "plot": ["matplotlib"],  # the training run's loss-curve PNG (skipped with a log line without it)
         # libtpu: compiles for TPU on any host (tests marked tpu_compile); flatbuffers: jax.export serialization
         "tpu": ["jax[tpu]==0.10.2", "flatbuffers"],

@@ -130,11 +130,13 @@ class Generator:
                 return cache
             return jax.lax.with_sharding_constraint(cache, S.cache_shardings(cache, mesh, rules))
 
-        @functools.partial(jax.jit, donate_argnums=(1,))
-        def forward(state, cache, tokens):
+        @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("last_only",))
+        def forward(state, cache, tokens, last_only=False):
             m = nnx.merge(gd, state)
             h, cache = m.hidden(tokens, cache=cache)
-            return h, m.logits(h), place(cache)
+            # last_only: the lm head of the last position only (prefill needs no other; [T, D] x [D, V] is the
+            # largest matmul of a long prompt when V is 155k)
+            return h, m.logits(h[:, -1:] if last_only else h), place(cache)
 
         @functools.partial(jax.jit, donate_argnums=(1,))
         def mtp(state, cache, h, next_tokens):
@@ -156,9 +158,13 @@ class Generator:
     def init_cache(self, batch: int, max_len: int) -> Cache:
         return self._init_cache(self.state, batch, max_len)
 
-    def forward(self, cache: Cache, tokens_bt) -> tuple[jnp.ndarray, jnp.ndarray, Cache]:
-        """(hidden [B,T,D], logits [B,T,V], cache) for T new tokens of every stream (cache is donated)."""
-        return self._forward(self.state, cache, jnp.asarray(tokens_bt, jnp.int32))
+    def forward(
+        self, cache: Cache, tokens_bt, *, last_only: bool = False
+    ) -> tuple[jnp.ndarray, jnp.ndarray, Cache]:
+        """(hidden [B,T,D], logits [B,T,V], cache) for T new tokens of every stream (cache is donated).
+
+        last_only: logits [B,1,V] of the last position only."""
+        return self._forward(self.state, cache, jnp.asarray(tokens_bt, jnp.int32), last_only=last_only)
 
     def prefill(self, cache: Cache, tokens_t, stream: int = 0):
         """Feeds a prompt to one stream in pieces of `prefill_chunk`; returns (hidden, logits of the last token, cache)."""
@@ -167,7 +173,7 @@ class Generator:
         sub = cache if whole else _slice_stream(cache, stream)
         hs = []
         for s in range(0, len(tokens_t), self.prefill_chunk):
-            h, logits, sub = self.forward(sub, tokens_t[None, s : s + self.prefill_chunk])
+            h, logits, sub = self.forward(sub, tokens_t[None, s : s + self.prefill_chunk], last_only=True)
             hs.append(h)
         cache = sub if whole else _put_stream(cache, stream, sub)
         return jnp.concatenate(hs, axis=1), logits[:, -1], cache

@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("glm53.checkpoint",),  # HF / GGUF / Orbax loading, conversion and export
     ("glm53.memory",),  # per-device memory budget from the sharding rules
     ("glm53.tokenizer", "glm53.sampling", "glm53.generate", "glm53.scoring", "glm53.build"),  # running it
+    ("glm53.serving",),  # continuous-batching engine and the OpenAI / Anthropic HTTP APIs (FastAPI)
     ("glm53.data", "glm53.train"),  # training data (corpus, tokenizer, packing) and the training loop
     ("glm53.testing", "glm53.benchmarks"),  # oracles and benchmark logic (tooling, not modeling)
 )

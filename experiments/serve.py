@@ -1,0 +1,103 @@
+"""Serve a model over HTTP: the OpenAI and Anthropic APIs on a continuous-batching engine (glm53.serving).
+
+  python -m experiments.serve                                   # the shipped model on 127.0.0.1:8000
+  python -m experiments.serve --weights=HF_DIR --slots=8 --port=8080 --api_key=secret
+  python -m experiments.serve --config=configs/tiny.py --port=0  # a random tiny model (tests); port 0: any free
+
+Endpoints: POST /v1/chat/completions, /v1/completions, /v1/messages, /v1/messages/count_tokens; GET /v1/models,
+/health (503 until every program is compiled), /metrics (Prometheus). Prints ``listening on http://HOST:PORT``
+once the socket is bound. Compiled programs persist in JAX's compilation cache (--compilation_cache, "" = off),
+so a second start compiles nothing. The engine's prefill chunk sizes are --buckets (must include 1).
+Tool calls (OpenAI `tools` / `tool_choice`, Anthropic `tools` / `tool_use` / `tool_result`) use the GLM tool-call
+format of glm53.serving.tools; a call forced by name is answered with that call, arguments always a JSON object.
+"""
+
+import os
+import socket
+
+import jax
+import uvicorn
+from absl import app, flags
+from ml_collections import config_flags
+
+from experiments import cli
+from glm53 import assets, build, tokenizer
+from glm53.config import model_config_from_dict
+from glm53.model import count_params
+from glm53.serving.app import make_app
+from glm53.serving.engine import Engine
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "experiment config (configs/*.py[:variant]): its random model", lock_config=True
+)
+_WEIGHTS = flags.DEFINE_string("weights", None, "HF / Orbax / GGUF weights (default: the shipped glm53-mini)")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "interface to bind")
+_PORT = flags.DEFINE_integer("port", 8000, "TCP port (0: a free one)")
+_SLOTS = flags.DEFINE_integer("slots", 4, "streams decoded together (slots of the batched step)")
+_MAX_LEN = flags.DEFINE_integer("max_len", 2048, "context per slot: prompt + max_tokens")
+_QUEUE = flags.DEFINE_integer("max_queue", 64, "requests waiting for a slot before new ones get 429")
+_BUCKETS = flags.DEFINE_list(
+    "buckets", ["1", "4", "16", "64", "256"], "prefill chunk sizes (compiled shapes)"
+)
+_API_KEY = flags.DEFINE_string("api_key", None, "require this key (Authorization: Bearer / x-api-key)")
+_NAME = flags.DEFINE_string("model_name", None, "the model's id in the APIs (default: the folder's name)")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", list(build.DTYPES), "parameter dtype when loading --weights")
+_CACHE = flags.DEFINE_string(
+    "compilation_cache",
+    os.path.join(os.path.expanduser("~"), ".cache", "glm53", "jax"),
+    "JAX persistent compilation cache folder ('' = off)",
+)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    for name, v, lo in (
+        ("slots", _SLOTS.value, 1),
+        ("max_len", _MAX_LEN.value, 2),
+        ("max_queue", _QUEUE.value, 1),
+    ):
+        if v < lo:
+            raise app.UsageError(f"--{name}={v}: must be >= {lo}")
+    if not 0 <= _PORT.value < 65536:
+        raise app.UsageError(f"--port={_PORT.value}: must be in [0, 65535]")
+    try:
+        buckets = sorted({int(b) for b in _BUCKETS.value})
+    except ValueError:
+        raise app.UsageError(f"--buckets: not a list of integers: {_BUCKETS.value}") from None
+    if not buckets or buckets[0] != 1:
+        raise app.UsageError(f"--buckets={_BUCKETS.value}: positive sizes including 1")
+    if _CACHE.value:
+        jax.config.update("jax_compilation_cache_dir", _CACHE.value)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    weights, label = assets.resolve(_WEIGHTS.value, _CONFIG.value)
+    # One device, unsharded: every program's inputs and outputs then share one layout (no recompilation).
+    if weights is None:
+        cfg = model_config_from_dict(_CONFIG.value.model)
+        model = build.random_model(cfg, seed=_CONFIG.value.seed, dtype=build.parse_dtype(_CONFIG.value.param_dtype),
+                                   quant=build.quant_from_experiment_config(_CONFIG.value), with_mtp=False)  # fmt: skip
+    else:
+        cfg, model = build.load_model(weights, dtype=build.parse_dtype(_DTYPE.value), with_mtp=False)
+    tok = tokenizer.load_tokenizer(weights, vocab_size=cfg.vocab_size)
+    name = _NAME.value or (assets.NAME if label else os.path.basename(os.path.normpath(weights)) if weights
+                           else "glm53-random")  # fmt: skip
+    what = label or (f"weights {weights}" if weights else f"config {cli.config_name('config')}, random weights "
+                                                            f"(seed {_CONFIG.value.seed}): output is noise")  # fmt: skip
+    print(f"{what}; {count_params(model) / 1e6:.2f}M parameters", flush=True)
+    engine = Engine(model, slots=_SLOTS.value, max_len=_MAX_LEN.value, buckets=buckets,
+                    eos_ids=cfg.eos_token_ids, max_queue=_QUEUE.value,
+                    detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True))  # fmt: skip
+    print(f"model {name!r}: {_SLOTS.value} slots x {_MAX_LEN.value} positions, prefill buckets {buckets}",
+          flush=True)  # fmt: skip
+    application = make_app(engine, tok, name, api_key=_API_KEY.value, log=lambda s: print(s, flush=True))
+    sock = socket.socket(socket.AF_INET6 if ":" in _HOST.value else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((_HOST.value, _PORT.value))
+    host, port = sock.getsockname()[:2]
+    print(f"listening on http://{host}:{port}", flush=True)
+    config = uvicorn.Config(application, log_level="warning", timeout_graceful_shutdown=2)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,422 @@
+"""Continuous batching: B slots of one fixed-shape jitted decode step that requests join and leave freely.
+
+Programs (all compiled once, at `warmup`; `compiled_programs` counts them):
+  * decode [B]: one token for every slot (tokens [B] in, next tokens [B] out), the cache donated; per-slot
+    sampling on device (temperature, top-p, top-k, a key from (seed, token index)); inactive slots are masked
+    (their length does not advance, their tokens are ignored), so a slot's rows hold garbage until it is reused;
+  * prefill [1, C] for each bucket C: a new request is fed, a chunk per engine step between decode steps, into
+    a batch-1 staging cache; a prompt of L tokens is split into bucket-sized chunks, largest first (the buckets
+    include 1, so no chunk is ever padded: every chunk is exact);
+  * insert: the finished staging cache is written over the free slot's rows (every row and position, so nothing
+    of the slot's previous request survives), and the first token is sampled from the prefill's last logits.
+One host transfer of all slots' tokens per decode step. Stops: EOS ids, stop strings (on the detokenized text;
+text that may begin a stop string is held back), max_tokens, the cache's length, cancellation (frees the slot).
+`submit` / `cancel` are thread-safe (bounded queue: `QueueFull` when full); `step` runs in one thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import numbers
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from glm53 import sampling
+from glm53.model import Cache, Glm53Model
+from glm53.serving.text import StopText
+
+
+class QueueFull(RuntimeError):
+    """The engine's waiting queue is full: the request is refused (HTTP 429 / 503)."""
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request: prompt token ids and how to sample / stop. ValueError naming a bad field."""
+
+    prompt: list[int]
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    eos_ids: tuple[int, ...] | None = None  # None: the engine's
+    id: str = ""
+    # Called with the whole text so far after each token: True ends the request ("stop"), e.g. a tool call's
+    # arguments that are complete or can no longer parse (glm53.serving.tools.arguments_done).
+    until: Callable[[str], bool] | None = None
+
+    def __post_init__(self):
+        sampling.check_params(self.temperature, self.top_p, self.top_k)
+        for name in ("max_tokens", "seed"):
+            v = getattr(self, name)
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, numbers.Integral)
+                or v < (1 if name == "max_tokens" else 0)
+            ):
+                raise ValueError(f"{name}={v!r}: must be an integer >= {1 if name == 'max_tokens' else 0}")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop={self.stop!r}: stop sequences must be non-empty strings")
+
+
+@dataclasses.dataclass
+class Event:
+    """What a request's sink receives: new token ids and text; finish_reason set on the last event
+    ("stop": EOS or a stop string, "length": max_tokens or the context, "cancelled", "error")."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended the request
+
+
+Sink = Callable[[Event], None]
+
+
+def chunk_plan(n: int, buckets: Sequence[int]) -> list[int]:
+    """Chunk sizes covering n tokens, largest bucket first (buckets contain 1, so the sum is exact)."""
+    out, rest = [], n
+    for b in sorted(buckets, reverse=True):
+        while rest >= b:
+            out.append(b)
+            rest -= b
+    return out
+
+
+@dataclasses.dataclass
+class _Seq:
+    req: Request
+    sink: Sink
+    slot: int
+    eos: frozenset
+    stop: StopText
+    generated: list[int] = dataclasses.field(default_factory=list)
+    chunks: list[int] = dataclasses.field(default_factory=list)
+    fed: int = 0  # prompt tokens prefilled so far
+    t_submit: float = 0.0
+    t_first: float | None = None
+
+
+class Engine:
+    """B slots over one model. `detokenize(ids) -> str` turns generated ids into text (None: no text, no stop
+    strings). compiler_options go to every `jax.jit` (e.g. {"xla_backend_optimization_level": 0}: faster
+    compiles for tests). Not thread-safe except `submit`, `cancel` and the counters; drive it with `step` / `run`."""
+
+    def __init__(
+        self,
+        model: Glm53Model,
+        *,
+        slots: int = 4,
+        max_len: int = 512,
+        buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128),
+        eos_ids: Sequence[int] = (),
+        detokenize: Callable[[list[int]], str] | None = None,
+        max_queue: int = 64,
+        compiler_options: dict | None = None,
+    ):
+        for name, v, lo in (("slots", slots, 1), ("max_len", max_len, 2), ("max_queue", max_queue, 1)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
+                raise ValueError(f"{name}={v!r}: must be an integer >= {lo}")
+        buckets = sorted(set(buckets))
+        if not buckets or buckets[0] != 1 or any(not isinstance(b, int) or b < 1 for b in buckets):
+            raise ValueError(
+                f"buckets={buckets!r}: positive integers including 1 (so any length splits exactly)"
+            )
+        self.cfg = model.cfg
+        self.slots, self.max_len, self.buckets = slots, max_len, tuple(buckets)
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self.detokenize = detokenize
+        self.graphdef, self.state = nnx.split(model)
+        self._build_programs(compiler_options)
+        self.cache = self._init(self.state, slots)
+        self._waiting: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._cancels: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancelled: set[str] = set()
+        self._wake = threading.Event()
+        self._active: dict[int, _Seq] = {}
+        self._prefilling: _Seq | None = None
+        self._staging: Cache | None = None
+        self._tokens = np.zeros(slots, np.int32)
+        self._ids = 0
+        self.stats = collections.Counter()  # steps, tokens, prefill_tokens, requests, finished, refused, ...
+        self.warm = False
+
+    # ------------------------------------------------------------------------------------------- programs
+    def _build_programs(self, compiler_options):
+        gd = self.graphdef
+        jit = functools.partial(jax.jit, compiler_options=compiler_options)
+
+        def keys(seeds, counts):
+            return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counts)
+
+        @functools.partial(jit, donate_argnums=(1,))
+        def decode(state, cache, tokens, active, counts, seeds, temp, top_p, top_k):
+            m = nnx.merge(gd, state)
+            h, new = m.hidden(tokens[:, None], cache=cache)
+            logits = m.logits(h)[:, -1]
+            new = new.replace(length=jnp.where(active, new.length, cache.length))
+            return sampling.sample(logits, keys(seeds, counts), temp, top_p, top_k), new
+
+        @functools.partial(jit, donate_argnums=(1,))
+        def prefill(state, staging, tokens):
+            m = nnx.merge(gd, state)
+            h, staging = m.hidden(tokens, cache=staging)
+            return m.logits(h[:, -1:])[:, -1], staging
+
+        @functools.partial(jit, donate_argnums=(0,))
+        def insert(cache, staging, slot, logits, seed, temp, top_p, top_k):
+            cache = jax.tree.map(
+                lambda a, s: jax.lax.dynamic_update_slice_in_dim(a, s.astype(a.dtype), slot, axis=0),
+                cache, staging,
+            )  # fmt: skip
+            tok = sampling.sample(logits, keys(seed, jnp.zeros((1,), jnp.int32)), temp, top_p, top_k)
+            return tok, cache
+
+        self._decode, self._prefill, self._insert = decode, prefill, insert
+        self._init = jit(
+            lambda state, b: nnx.merge(gd, state).init_cache(b, self.max_len), static_argnums=(1,)
+        )
+
+    def compiled_programs(self) -> int:
+        """Programs compiled so far (decode, prefill per bucket, insert, cache init): constant after `warmup`."""
+        return sum(f._cache_size() for f in (self._decode, self._prefill, self._insert, self._init))
+
+    def warmup(self, log: Callable[[str], None] | None = None) -> float:
+        """Compiles every program once (a line per program to `log`); returns the seconds it took."""
+        t0 = time.perf_counter()
+        b = self.slots
+        z = np.zeros(b, np.int32)
+        args = self._sampling_args([None] * b, b)
+        tok, self.cache = self._decode(self.state, self.cache, z, np.zeros(b, bool), z, *args)
+        jax.block_until_ready(tok)
+        if log:
+            log(f"compiled decode [{b} slots] ({time.perf_counter() - t0:.1f} s)")
+        staging = self._init(self.state, 1)
+        for c in self.buckets:
+            t = time.perf_counter()
+            logits, staging = self._prefill(self.state, staging, np.zeros((1, c), np.int32))
+            jax.block_until_ready(logits)
+            if log:
+                log(f"compiled prefill chunk {c} ({time.perf_counter() - t:.1f} s)")
+        staging = self._init(self.state, 1)  # a fresh one: the warm-up chunks may have run past max_len
+        tok, self.cache = self._insert(self.cache, staging, 0, logits, *self._sampling_args([None], 1))
+        jax.block_until_ready(tok)
+        self.warm = True
+        dt = time.perf_counter() - t0
+        if log:
+            log(f"engine warm: {self.compiled_programs()} programs in {dt:.1f} s")
+        return dt
+
+    def _sampling_args(self, seqs, n):
+        seeds, temp = np.zeros(n, np.uint32), np.zeros(n, np.float32)
+        top_p, top_k = np.ones(n, np.float32), np.zeros(n, np.int32)
+        for i, s in enumerate(seqs):
+            if s is not None:
+                r = s.req
+                seeds[i], temp[i], top_p[i], top_k[i] = r.seed % 2**32, r.temperature, r.top_p, r.top_k
+        return seeds, temp, top_p, top_k
+
+    # ------------------------------------------------------------------------------------------- requests
+    def check(self, req: Request) -> None:
+        """ValueError naming the field when the request cannot run on this engine."""
+        p = req.prompt
+        if not isinstance(p, list) or not p:
+            raise ValueError("prompt: at least one token is needed")
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < self.cfg.vocab_size
+               for t in p):  # fmt: skip
+            raise ValueError(f"prompt: token ids must be integers in [0, {self.cfg.vocab_size})")
+        if len(p) + req.max_tokens > self.max_len:
+            raise ValueError(f"max_tokens: the prompt's {len(p)} tokens + max_tokens {req.max_tokens} exceed the "
+                             f"context of {self.max_len} tokens")  # fmt: skip
+
+    def submit(self, req: Request, sink: Sink) -> str:
+        """Queues a request (thread-safe); returns its id. ValueError for a bad request, QueueFull when full."""
+        self.check(req)
+        if not req.id:
+            self._ids += 1
+            req.id = f"req-{self._ids}"
+        seq = _Seq(req, sink, -1, frozenset(self.eos_ids if req.eos_ids is None else req.eos_ids),
+                   StopText(req.stop, self.detokenize), t_submit=time.perf_counter())  # fmt: skip
+        try:
+            self._waiting.put_nowait(seq)
+        except queue.Full:
+            self.stats["refused"] += 1
+            raise QueueFull(f"the queue is full ({self._waiting.maxsize} waiting requests)") from None
+        self.stats["requests"] += 1
+        self._wake.set()
+        return req.id
+
+    def cancel(self, request_id: str) -> None:
+        """Stops a request (thread-safe): its slot is freed at the next step; its sink gets "cancelled"."""
+        self._cancels.put(request_id)
+        self._wake.set()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._waiting.qsize()
+
+    @property
+    def busy_slots(self) -> int:
+        return len(self._active) + (self._prefilling is not None)
+
+    def idle(self) -> bool:
+        return not self._active and self._prefilling is None and self._waiting.empty()
+
+    # ------------------------------------------------------------------------------------------- the loop
+    def _finish(self, seq: _Seq, reason: str, tokens: list[int], text: str, error=None, stop=None) -> None:
+        if seq.slot >= 0:
+            self._active.pop(seq.slot, None)
+        self.stats["finished"] += 1
+        self.stats[f"finish_{reason}"] += 1
+        n_prompt, n_gen = len(seq.req.prompt), len(seq.generated)
+        seq.sink(Event(seq.req.id, tokens, text, reason, n_prompt, n_gen, error, stop))
+
+    def _handle_cancels(self) -> None:
+        while True:
+            try:
+                rid = self._cancels.get_nowait()
+            except queue.Empty:
+                return
+            hit = [s for s in self._active.values() if s.req.id == rid]
+            if self._prefilling is not None and self._prefilling.req.id == rid:
+                hit.append(self._prefilling)
+                self._prefilling, self._staging = None, None
+            for s in hit:
+                self._finish(s, "cancelled", [], "")
+            if not hit:
+                self._cancelled.add(rid)
+
+    def _admit(self) -> None:
+        while self._prefilling is None and len(self._active) < self.slots:
+            try:
+                seq = self._waiting.get_nowait()
+            except queue.Empty:
+                return
+            if seq.req.id in self._cancelled:
+                self._cancelled.discard(seq.req.id)
+                self._finish(seq, "cancelled", [], "")
+                continue
+            seq.slot = min(set(range(self.slots)) - set(self._active))
+            seq.chunks = chunk_plan(len(seq.req.prompt), self.buckets)
+            self._prefilling, self._staging = seq, self._init(self.state, 1)
+
+    def _prefill_chunk(self) -> None:
+        seq = self._prefilling
+        c = seq.chunks.pop(0)
+        toks = np.asarray(seq.req.prompt[seq.fed : seq.fed + c], np.int32)[None]
+        logits, self._staging = self._prefill(self.state, self._staging, toks)
+        seq.fed += c
+        self.stats["prefill_tokens"] += c
+        if seq.chunks:
+            return
+        tok, self.cache = self._insert(self.cache, self._staging, seq.slot, logits,
+                                       *self._sampling_args([seq], 1))  # fmt: skip
+        self._prefilling, self._staging = None, None
+        self._active[seq.slot] = seq
+        self._emit(seq, int(np.asarray(tok)[0]))
+
+    def _emit(self, seq: _Seq, tok: int) -> None:
+        """Records a sampled token and sends what may be sent; finishes the request on a stop."""
+        if seq.t_first is None:
+            seq.t_first = time.perf_counter()
+            self.stats["ttft_ms_sum"] += int(1000 * (seq.t_first - seq.t_submit))
+            self.stats["ttft_count"] += 1
+        seq.generated.append(tok)
+        self.stats["tokens"] += 1
+        self._tokens[seq.slot] = tok
+        if tok in seq.eos:
+            text = seq.stop.flush()
+            return self._finish(seq, "stop", [tok], text)
+        text, hit = seq.stop.push(tok)
+        if hit is not None:
+            return self._finish(seq, "stop", [tok], text, stop=hit)
+        if seq.req.until is not None and seq.req.until(seq.stop.text):
+            return self._finish(seq, "stop", [tok], text + seq.stop.flush())
+        if (
+            len(seq.generated) >= seq.req.max_tokens
+            or len(seq.req.prompt) + len(seq.generated) >= self.max_len
+        ):
+            return self._finish(seq, "length", [tok], text + seq.stop.flush())
+        seq.sink(Event(seq.req.id, [tok], text))
+
+    def _decode_step(self) -> None:
+        b = self.slots
+        active = np.zeros(b, bool)
+        counts = np.zeros(b, np.int32)
+        seqs = [self._active.get(i) for i in range(b)]
+        for i, s in enumerate(seqs):
+            if s is not None:
+                active[i], counts[i] = True, len(s.generated)
+        args = self._sampling_args(seqs, b)
+        tok, self.cache = self._decode(self.state, self.cache, self._tokens, active, counts, *args)
+        tok = np.asarray(tok)  # the one host transfer of the step
+        self.stats["steps"] += 1
+        for i, s in enumerate(seqs):
+            if s is not None:
+                self._emit(s, int(tok[i]))
+
+    def step(self) -> bool:
+        """One round: cancellations, admission, one prefill chunk, one decode step. False when idle."""
+        self._handle_cancels()
+        self._admit()
+        if self._prefilling is None and not self._active:
+            return False
+        if self._prefilling is not None:
+            self._prefill_chunk()
+        if self._active:
+            self._decode_step()
+        return True
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if not self.step() and self.idle():
+                return
+        raise RuntimeError(f"the engine did not finish in {max_steps} steps")
+
+    def run(self, stop: threading.Event) -> None:
+        """The engine thread's loop: steps while there is work, sleeps on new work until `stop` is set. A failed
+        step finishes every request with "error" (the engine keeps serving)."""
+        while not stop.is_set():
+            try:
+                busy = self.step()
+            except Exception as e:  # noqa: BLE001 - one bad step must not kill the server
+                self._fail_all(f"{type(e).__name__}: {e}")
+                busy = False
+            if not busy:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def _fail_all(self, msg: str) -> None:
+        seqs = list(self._active.values()) + ([self._prefilling] if self._prefilling else [])
+        self._prefilling, self._staging = None, None
+        self.cache = self._init(self.state, self.slots)
+        for s in seqs:
+            self._finish(s, "error", [], "", msg)
+
+
+def generate(engine: Engine, requests: Sequence[Request]) -> list[list[int]]:
+    """Runs `requests` to completion on `engine` (in this thread); the new token ids of each."""
+    out: dict[str, list[int]] = {}
+    for r in requests:
+        rid = engine.submit(r, lambda ev: out.setdefault(ev.request_id, []).extend(ev.token_ids))
+        out.setdefault(rid, [])
+    engine.run_until_idle()
+    return [out[r.id] for r in requests]

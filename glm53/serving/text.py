@@ -1,0 +1,54 @@
+"""Incremental detokenization with stop strings: the text a stream may send after each new token.
+
+The whole generation is decoded after every token (a tokenizer may merge bytes across tokens) and only what is
+final is released: never a trailing U+FFFD (an incomplete UTF-8 sequence) nor a tail that could still become a
+stop string. When a stop string appears, the text before its first occurrence is the stream's whole text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+
+class StopText:
+    """Per-stream text state. `detokenize` None: no text at all (token-only use; stop strings never match)."""
+
+    def __init__(self, stop: Sequence[str], detokenize: Callable[[list[int]], str] | None):
+        self.stop = tuple(stop)
+        self.detokenize = detokenize
+        self.ids: list[int] = []
+        self.sent = 0  # characters released so far
+        self.text = ""
+
+    def _hold(self, text: str) -> int:
+        """How many trailing characters may not be released yet."""
+        hold = 0
+        if text.endswith("\ufffd"):
+            hold = len(text) - len(text.rstrip("\ufffd"))
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        return hold
+
+    def push(self, tok: int) -> tuple[str, str | None]:
+        """(text to send now, the stop string that ended the stream or None)."""
+        if self.detokenize is None:
+            return "", None
+        self.ids.append(tok)
+        self.text = text = self.detokenize(self.ids)
+        hits = [(i, s) for s in self.stop if (i := text.find(s, max(0, self.sent - len(s) + 1))) >= 0]
+        if hits:
+            i, s = min(hits)
+            end = max(i, self.sent)
+            out, self.sent = text[self.sent : end], end
+            return out, s
+        end = max(len(text) - self._hold(text), self.sent)
+        out, self.sent = text[self.sent : end], end
+        return out, None
+
+    def flush(self) -> str:
+        """Everything not yet sent (the stream ends without a stop string)."""
+        out, self.sent = self.text[self.sent :], len(self.text)
+        return out

@@ -1,0 +1,240 @@
+"""Tool calls in the GLM chat format: rendering tools, calls and results into the conversation, and parsing calls.
+
+The shipped chat template knows the roles `system`, `user`, `assistant` and `observation` (a `tool` message is
+rendered as `<|observation|>`) and renders string contents verbatim, so tools are rendered here into strings,
+GLM style:
+  * the tools offered: a system message (`# Tools` ... `<tools>` one JSON schema a line `</tools>`, then how to
+    call), before the conversation's own system message;
+  * a call the assistant made: `<tool_call>NAME\\n{JSON arguments}</tool_call>` appended to its content;
+  * a tool's result: an observation message `<tool_response>RESULT</tool_response>`.
+The model answers a call in the same form; `parse` splits a generation into content and calls.
+
+Forcing a call (OpenAI `tool_choice` naming a function or "required"; Anthropic `{"type": "tool"}` / "any"):
+the text up to the arguments, `<tool_call>NAME\\n`, is fed as forced tokens after the generation prompt, and the
+model generates the arguments up to `</tool_call>`. The arguments are NOT constrained while decoding: they are
+generated, then parsed, and replaced by `{}` when they do not begin with a JSON object (generate-then-fall-back; a
+small model's arguments are often not JSON); the generation ends as soon as the object's braces close or its
+first character is not `{` (`arguments_done`), so a forced call never runs on to max_tokens. With "required" / "any" and several tools, the name is generated too
+(only `<tool_call>` is forced) and an unknown name falls back to the first tool. `tool_choice` "none": the tools
+are not offered at all. Streaming: content is sent as it comes except a tail that may begin `<tool_call>`;
+calls are sent when the generation ends (a forced call's name at once, its arguments at the end, since the
+fall-back may replace them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+RESULT_OPEN, RESULT_CLOSE = "<tool_response>", "</tool_response>"
+
+
+@dataclasses.dataclass
+class Tool:
+    name: str
+    description: str = ""
+    parameters: dict = dataclasses.field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+@dataclasses.dataclass
+class ToolCall:
+    name: str
+    arguments: dict
+    id: str = dataclasses.field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    @property
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+@dataclasses.dataclass
+class ToolMode:
+    """How a request uses tools: `tools` offered (rendered and parsed); `force` a call: None (the model decides),
+    a tool's name, or "" (some tool: "required" / "any")."""
+
+    tools: list[Tool]
+    force: str | None = None
+
+    @property
+    def forced_prefix(self) -> str:
+        """The text fed after the generation prompt when a call is forced ('' when none is)."""
+        if self.force is None:
+            return ""
+        return CALL_OPEN + (f"{self.force}\n" if self.force else "")
+
+
+def render_tools(tools: list[Tool]) -> str:
+    """The system message that offers `tools`."""
+    lines = [json.dumps({"name": t.name, "description": t.description, "parameters": t.parameters},
+                        ensure_ascii=False) for t in tools]  # fmt: skip
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+            + "\n".join(lines) + "\n</tools>\n\nFor each function call, output the function name and its "
+            f"arguments as a JSON object in this format:\n{CALL_OPEN}{{function-name}}\n"
+            f"{{arguments-json}}{CALL_CLOSE}")  # fmt: skip
+
+
+def render_call(name: str, arguments: dict | str) -> str:
+    """One call in an assistant message (`arguments` a dict or its JSON text, as OpenAI sends it)."""
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return f"{CALL_OPEN}{name}\n{args}{CALL_CLOSE}"
+
+
+def render_result(content: str) -> str:
+    return f"{RESULT_OPEN}{content}{RESULT_CLOSE}"
+
+
+def _arguments(text: str) -> dict:
+    """The generated arguments: the JSON object they begin with; {} when they do not (the documented fall-back)."""
+    try:
+        v, _ = json.JSONDecoder().raw_decode(text.strip() or "{}")
+    except ValueError:
+        return {}
+    return v if isinstance(v, dict) else {}
+
+
+def arguments_done(text: str) -> bool:
+    """Whether generated arguments are finished: an object whose braces closed (outside strings), or text that
+    cannot begin a JSON object (its first non-blank character is not `{`; it will fall back to {})."""
+    text = text.lstrip()
+    if not text:
+        return False
+    if text[0] != "{":
+        return True
+    depth, in_str, esc = 0, False, False
+    for ch in text:
+        if in_str:
+            esc, in_str = (False, in_str) if esc else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth <= 0:
+                return True
+    return False
+
+
+def _call(body: str, mode: ToolMode) -> ToolCall:
+    """A call from the text between `<tool_call>` and `</tool_call>` (`NAME\\n{args}`)."""
+    name, _, args = body.partition("\n")
+    name = name.strip()
+    names = [t.name for t in mode.tools]
+    if name not in names and mode.force is not None and names:
+        name = mode.force or names[0]  # a forced call always names an offered tool
+    return ToolCall(name, _arguments(args))
+
+
+def parse(text: str, mode: ToolMode) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a generation. With a forced call, `text` is what followed the forced prefix."""
+    if mode.force is not None:
+        body = mode.forced_prefix[len(CALL_OPEN) :] + text
+        return "", [_call(body.split(CALL_CLOSE, 1)[0], mode)]
+    i = text.find(CALL_OPEN)
+    if i < 0:
+        return text, []
+    content, rest, calls = text[:i], text[i:], []
+    while rest.startswith(CALL_OPEN):
+        body, closed, rest = rest[len(CALL_OPEN) :].partition(CALL_CLOSE)
+        call = _call(body, mode)
+        if call.name in {t.name for t in mode.tools}:
+            calls.append(call)
+        if not closed:
+            break
+        rest = rest.lstrip()
+    return content.rstrip() if calls else text, calls
+
+
+class ContentStream:
+    """Streams the content before any call: `push` returns the text safe to send (a tail that may begin
+    `<tool_call>` is held back); after `<tool_call>` everything is held for `parse` at the end."""
+
+    def __init__(self, mode: ToolMode | None):
+        self.mode, self.text, self.sent = mode, "", 0
+
+    def push(self, delta: str) -> str:
+        self.text += delta
+        if self.mode is None:
+            self.sent = len(self.text)
+            return delta
+        if self.mode.force is not None:
+            return ""
+        i = self.text.find(CALL_OPEN)
+        end = i if i >= 0 else len(self.text)
+        if i < 0:
+            for k in range(min(len(CALL_OPEN) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(CALL_OPEN[:k]):
+                    end -= k
+                    break
+        end = max(end, self.sent)
+        out, self.sent = self.text[self.sent : end], end
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content not sent yet, calls)."""
+        if self.mode is None:
+            return "", []
+        content, calls = parse(self.text, self.mode)
+        if not calls:
+            content = self.text
+        out = content[self.sent :] if len(content) > self.sent else ""
+        self.sent = len(self.text)
+        return out, calls
+
+
+# ------------------------------------------------------------------------------------------------ the APIs
+def openai_tools(tools, tool_choice, param: str = "tools") -> ToolMode | None:
+    """ToolMode of OpenAI `tools` / `tool_choice`; ValueError naming the field."""
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice: a tool choice needs tools")
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) else None
+        if (
+            not isinstance(f, dict)
+            or t.get("type", "function") != "function"
+            or not isinstance(f.get("name"), str)
+        ):
+            raise ValueError(f"{param}[{i}]: expected {{'type': 'function', 'function': {{'name': ...}}}}")
+        out.append(Tool(f["name"], f.get("description") or "", f.get("parameters") or Tool("").parameters))
+    return _mode(out, tool_choice, "function", "tool_choice")
+
+
+def anthropic_tools(tools, tool_choice) -> ToolMode | None:
+    """ToolMode of Anthropic `tools` / `tool_choice`; ValueError naming the field."""
+    if not tools:
+        if tool_choice is not None and (
+            not isinstance(tool_choice, dict) or tool_choice.get("type") not in ("none", "auto")
+        ):
+            raise ValueError("tool_choice: a tool choice needs tools")
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise ValueError(f"tools[{i}]: expected {{'name': ..., 'input_schema': ...}}")
+        out.append(Tool(t["name"], t.get("description") or "", t.get("input_schema") or Tool("").parameters))
+    return _mode(out, tool_choice, "tool", "tool_choice")
+
+
+def _mode(tools: list[Tool], choice, named: str, param: str) -> ToolMode | None:
+    if isinstance(choice, dict):
+        kind = choice.get("type")
+        f = choice.get("function")
+        name = (f.get("name") if isinstance(f, dict) else None) if named == "function" else choice.get("name")
+        if kind == named:
+            if not isinstance(name, str) or name not in [t.name for t in tools]:
+                raise ValueError(f"{param}: {name!r} is not one of the tools")
+            return ToolMode(tools, name)
+        choice = {"any": "required"}.get(kind, kind)
+    if choice in (None, "auto"):
+        return ToolMode(tools)
+    if choice == "none":
+        return None
+    if choice == "required":
+        return ToolMode(tools, tools[0].name if len(tools) == 1 else "")
+    raise ValueError(f"{param}: {choice!r} is not a valid tool choice")

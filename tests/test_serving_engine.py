@@ -1,0 +1,152 @@
+"""The continuous-batching engine (glm53.serving.engine) on the tiny random model.
+
+Reference: `glm53.generate.Generator.forward` (a separate program: a batch-1 cache, one token per step, argmax in
+numpy) run on each prompt alone. Batched greedy decoding with requests joining and leaving must give exactly its tokens, and no
+request may cause a compilation after warm-up.
+"""
+
+import numpy as np
+import pytest
+
+from configs import tiny
+from glm53 import build, generate
+from glm53.config import model_config_from_dict
+from glm53.serving import engine as E
+from glm53.serving.text import StopText
+
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [3] * 20, [7], [9, 4, 4, 9, 30, 31, 32]]
+MAX_NEW = [6, 9, 4, 12, 7]
+FAST = {"xla_backend_optimization_level": 0}  # compiles in ~60% of the time; the results are the same
+
+
+def _greedy_alone(gen, prompt, n):
+    """Greedy decoding of one prompt alone, one token per step through `Generator.forward` (numpy argmax)."""
+    cache = gen.init_cache(1, 40)
+    for t in prompt:
+        _, logits, cache = gen.forward(cache, [[t]])
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(np.asarray(logits[0, -1]))))
+        _, logits, cache = gen.forward(cache, [[out[-1]]])
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = model_config_from_dict(tiny.get_config().model)
+    model = build.random_model(cfg, seed=0, with_mtp=False)
+    eng = E.Engine(model, slots=3, max_len=40, buckets=(1, 8), max_queue=8, compiler_options=FAST)
+    eng.warmup()
+    gen = generate.Generator(model)  # its batch-1 one-token step: one program for every prompt
+    ref = [_greedy_alone(gen, p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+    return eng, ref, model
+
+
+def test_batched_greedy_equals_each_alone_without_recompiling(setup):
+    eng, ref, _ = setup
+    n0 = eng.compiled_programs()
+    assert n0 == 6  # decode, prefill x 2 buckets, insert, cache init for 1 and for the slots
+    # 5 requests over 3 slots: some wait, join when others leave, and prefill in 1- and 8-token chunks.
+    out = E.generate(eng, [E.Request(p, max_tokens=n) for p, n in zip(PROMPTS, MAX_NEW)])
+    assert out == ref
+    assert [len(o) for o in out] == MAX_NEW
+    # Sampled requests: a request's tokens depend only on its seed, not on its batch neighbours.
+    reqs = [
+        E.Request(p, max_tokens=5, temperature=0.9, top_p=0.9, top_k=20, seed=i)
+        for i, p in enumerate(PROMPTS)
+    ]
+    together = E.generate(eng, reqs)
+    alone = [E.generate(eng, [E.Request(p, max_tokens=5, temperature=0.9, top_p=0.9, top_k=20, seed=i)])[0]
+             for i, p in enumerate(PROMPTS[:2])]  # fmt: skip
+    assert together[:2] == alone
+    assert E.generate(eng, [E.Request(PROMPTS[0], max_tokens=5, temperature=0.9, seed=99)])[0] != together[0]
+    # EOS: a request whose EOS is its first greedy token stops after it.
+    events = []
+    eng.submit(E.Request(PROMPTS[1], max_tokens=9, eos_ids=(ref[1][2],)), events.append)
+    eng.run_until_idle()
+    assert [t for e in events for t in e.token_ids] == ref[1][: ref[1].index(ref[1][2]) + 1]
+    assert events[-1].finish_reason == "stop" and events[-1].completion_tokens == ref[1].index(ref[1][2]) + 1
+    assert eng.compiled_programs() == n0
+    assert eng.busy_slots == 0 and eng.idle()
+
+
+def test_cancel_frees_the_slot_and_queue_full_refuses(setup):
+    eng, ref, _ = setup
+    n0 = eng.compiled_programs()
+    ev: dict[str, list] = {}
+
+    def sink(e):
+        ev.setdefault(e.request_id, []).append(e)
+
+    keep = eng.submit(E.Request(PROMPTS[1], max_tokens=9), sink)
+    gone = eng.submit(E.Request(PROMPTS[3], max_tokens=30), sink)
+    for _ in range(6):
+        eng.step()
+    assert eng.busy_slots == 2
+    eng.cancel(gone)
+    eng.step()
+    assert ev[gone][-1].finish_reason == "cancelled" and eng.busy_slots == 1
+    # A cancelled request still waiting in the queue never runs.
+    waiting = eng.submit(E.Request(PROMPTS[0], max_tokens=5), sink)
+    eng.cancel(waiting)
+    # The queue holds 8 waiting requests: the 9th is refused at once.
+    ids = [eng.submit(E.Request([1, 2], max_tokens=2), sink) for _ in range(7)]
+    with pytest.raises(E.QueueFull, match="queue is full"):
+        eng.submit(E.Request([1, 2], max_tokens=2), sink)
+    eng.run_until_idle()
+    assert [t for e in ev[keep] for t in e.token_ids] == ref[1]
+    assert [e.finish_reason for e in ev[waiting]] == ["cancelled"] and not ev[waiting][0].token_ids
+    assert all(ev[i][-1].finish_reason == "length" for i in ids)
+    assert eng.compiled_programs() == n0 and eng.busy_slots == 0
+
+
+def test_bad_requests_name_the_field(setup):
+    eng, _, model = setup
+    for kw, field in ((dict(prompt=[1], max_tokens=0), "max_tokens"), (dict(prompt=[1], temperature=-1), "temperature"),
+                      (dict(prompt=[1], top_p=0.0), "top_p"), (dict(prompt=[1], stop=("",)), "stop")):  # fmt: skip
+        with pytest.raises(ValueError, match=field):
+            E.Request(**kw)
+    for req, field in ((E.Request([], max_tokens=1), "prompt"), (E.Request([1000], max_tokens=1), "prompt"),
+                       (E.Request([1] * 30, max_tokens=11), "max_tokens")):  # fmt: skip
+        with pytest.raises(ValueError, match=field):
+            eng.submit(req, lambda e: None)
+    with pytest.raises(ValueError, match="buckets"):
+        E.Engine(model, buckets=(4, 8))
+
+
+def test_chunk_plan_and_stop_text():
+    assert E.chunk_plan(27, (1, 8)) == [8, 8, 8, 1, 1, 1]
+    assert sum(E.chunk_plan(300, (1, 4, 16, 64, 256))) == 300
+    text = "Hello, world! END here"
+    detok = lambda ids: text[: len(ids)]  # one character per token
+    st = StopText(("END", "!!"), detok)
+    sent = []
+    for i in range(len(text)):
+        out, hit = st.push(i)
+        sent.append(out)
+        if hit:
+            break
+    assert "".join(sent) == "Hello, world! " and hit == "END"
+    # "!" could begin "!!": held back until the next character shows it does not.
+    st = StopText(("!!",), detok)
+    assert [st.push(i)[0] for i in range(13)][-1] == "" and st.push(13)[0] == "! "
+    # An incomplete UTF-8 sequence (U+FFFD at the end) is held back.
+    st = StopText((), lambda ids: "ab\ufffd" if len(ids) == 1 else "ab\u00e9")
+    assert st.push(0) == ("ab", None) and st.push(1) == ("\u00e9", None) and st.flush() == ""
+    assert StopText(("x",), None).push(3) == ("", None)
+    np.testing.assert_equal(E.chunk_plan(0, (1,)), [])
+
+
+def test_until_ends_a_request_early(setup):
+    """`Request.until` (what a forced tool call uses) sees the text so far and ends the request: the tokens are
+    the reference's first ones."""
+    eng, ref, _ = setup
+    eng.detokenize = lambda ids: "".join(chr(97 + i % 26) for i in ids)  # one character a token
+    try:
+        seen = []
+        out = E.generate(
+            eng, [E.Request(PROMPTS[0], max_tokens=6, until=lambda t: seen.append(t) or len(t) >= 3)]
+        )
+    finally:
+        eng.detokenize = None
+    assert out == [ref[0][:3]] and [len(t) for t in seen] == [1, 2, 3]
