@@ -18,7 +18,7 @@ from ml_collections import config_flags
 
 from experiments import cli
 from glm53 import assets, build, files
-from glm53.config import model_config_from_dict
+from glm53.config import MOE_IMPLEMENTATIONS, model_config_from_dict
 from glm53.serving import engine as E
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -56,6 +56,12 @@ def bench(model, vocab: int, n: int, slots: int, prompt_len: int, max_new: int) 
             "itl_p50_ms": _pct(itl, 50), "itl_p99_ms": _pct(itl, 99), "decode_steps": eng.stats["steps"] - steps0}  # fmt: skip
 
 
+_MOE_IMPL = flags.DEFINE_enum(
+    "moe_impl", "auto", list(MOE_IMPLEMENTATIONS),
+    "routed-expert implementation (kernels.moe.api); auto: by backend (CPU: the loop over distinct experts)",
+)  # fmt: skip
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -75,9 +81,11 @@ def main(argv):
     weights, label = assets.resolve(_WEIGHTS.value, _CONFIG.value)
     if weights is None:
         cfg = model_config_from_dict(_CONFIG.value.model)
-        model = build.random_model(cfg, seed=_CONFIG.value.seed, with_mtp=False)
+        model = build.random_model(
+            cfg, seed=_CONFIG.value.seed, with_mtp=False, kernels={"moe": _MOE_IMPL.value}
+        )
     else:
-        cfg, model = build.load_model(weights, with_mtp=False)
+        cfg, model = build.load_model(weights, with_mtp=False, kernels={"moe": _MOE_IMPL.value})
     print(label or weights or f"config {cli.config_name('config')} (random weights)", flush=True)
     rows = []
     for n in streams:

@@ -22,7 +22,7 @@ from ml_collections import config_flags
 
 from experiments import cli
 from glm53 import assets, build, tokenizer
-from glm53.config import model_config_from_dict
+from glm53.config import MOE_IMPLEMENTATIONS, model_config_from_dict
 from glm53.model import count_params
 from glm53.serving.app import make_app
 from glm53.serving.engine import Engine
@@ -47,6 +47,12 @@ _CACHE = flags.DEFINE_string(
     os.path.join(os.path.expanduser("~"), ".cache", "glm53", "jax"),
     "JAX persistent compilation cache folder ('' = off)",
 )
+
+
+_MOE_IMPL = flags.DEFINE_enum(
+    "moe_impl", "auto", list(MOE_IMPLEMENTATIONS),
+    "routed-expert implementation (kernels.moe.api); auto: by backend (CPU: the loop over distinct experts)",
+)  # fmt: skip
 
 
 def main(argv):
@@ -75,9 +81,11 @@ def main(argv):
     if weights is None:
         cfg = model_config_from_dict(_CONFIG.value.model)
         model = build.random_model(cfg, seed=_CONFIG.value.seed, dtype=build.parse_dtype(_CONFIG.value.param_dtype),
-                                   quant=build.quant_from_experiment_config(_CONFIG.value), with_mtp=False)  # fmt: skip
+                                   quant=build.quant_from_experiment_config(_CONFIG.value), with_mtp=False,
+                                   kernels={"moe": _MOE_IMPL.value})  # fmt: skip
     else:
-        cfg, model = build.load_model(weights, dtype=build.parse_dtype(_DTYPE.value), with_mtp=False)
+        cfg, model = build.load_model(weights, dtype=build.parse_dtype(_DTYPE.value), with_mtp=False,
+                                      kernels={"moe": _MOE_IMPL.value})  # fmt: skip
     tok = tokenizer.load_tokenizer(weights, vocab_size=cfg.vocab_size)
     name = _NAME.value or (assets.NAME if label else os.path.basename(os.path.normpath(weights)) if weights
                            else "glm53-random")  # fmt: skip

@@ -52,6 +52,7 @@ LONGEST_FIRST = (
     "test_serving_server.py",
     "test_serving_engine.py",
     "test_ablate.py",
+    "test_imatrix.py",
     "test_dsa.py",
     "test_moe.py",
     "test_bench_model.py",

@@ -33,6 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("glm53.serving",),  # continuous-batching engine and the OpenAI / Anthropic HTTP APIs (FastAPI)
     ("glm53.data", "glm53.train"),  # training data (corpus, tokenizer, packing) and the training loop
     ("glm53.testing", "glm53.benchmarks"),  # oracles and benchmark logic (tooling, not modeling)
+    ("glm53.ablation",),  # the quantization ablation: llama.cpp's statistics, imatrix, sweeps (tooling)
 )
 
 

@@ -54,8 +54,14 @@ def parse_mix(spec: str | ExpertMix, moe_layers=None) -> ExpertMix:
 
 
 # ------------------------------------------------------------------------------------------------ encoding
-def encode(a: np.ndarray, fmt: str) -> tuple[np.ndarray, GGMLQuantizationType | None]:
-    """f32 values (numpy order) -> (array for GGUFWriter.add_tensor, raw GGML type or None for F32 / F16)."""
+def encode(
+    a: np.ndarray, fmt: str, imatrix: np.ndarray | None = None
+) -> tuple[np.ndarray, GGMLQuantizationType | None]:
+    """f32 values (numpy order) -> (array for GGUFWriter.add_tensor, raw GGML type or None for F32 / F16).
+
+    imatrix: importance per matrix and input column [n_matrices, k] of a stacked [n_matrices, rows, k] tensor
+    (routed experts: one row per expert, as llama-quantize passes them) or [k]; ignored by F32 / F16 / BF16.
+    """
     f = get_format(fmt)
     a = np.ascontiguousarray(a, np.float32)
     if f.name == "F32":
@@ -64,8 +70,12 @@ def encode(a: np.ndarray, fmt: str) -> tuple[np.ndarray, GGMLQuantizationType | 
         return a.astype(np.float16), None
     if f.name == "BF16":
         return a.astype(ml_dtypes.bfloat16).view(np.uint8), GGMLQuantizationType.BF16
-    rows = a.reshape(-1, a.shape[-1])
-    data = np.frombuffer(ggml.quantize(rows, f), np.uint8)
+    if imatrix is None:
+        data = np.frombuffer(ggml.quantize(a.reshape(-1, a.shape[-1]), f), np.uint8)
+    else:
+        im = np.asarray(imatrix, np.float32).reshape(-1, a.shape[-1])
+        mats = a.reshape(len(im), -1, a.shape[-1])
+        data = np.frombuffer(b"".join(ggml.quantize(m, f, i) for m, i in zip(mats, im)), np.uint8)
     return data.reshape(*a.shape[:-1], -1), GGMLQuantizationType(f.ggml_type)
 
 
@@ -92,11 +102,13 @@ def write_gguf(
     dense_type: str = "F32",
     experts: ExpertMix | str | None = None,
     name: str = "GLM-5.3",
+    imatrix: Mapping[str, np.ndarray] | None = None,
 ) -> None:
     """Writes `params` (our paths and layouts, e.g. `model_params(model)`) as a GGUF llama.cpp can load.
 
     The MTP block is written when `params` has it. dense_type: F32 / F16 / BF16 / Q8_0 for the non-expert
-    matrices; experts: an ExpertMix / mix spec for the routed experts (default: dense_type).
+    matrices; experts: an ExpertMix / mix spec for the routed experts (default: dense_type); imatrix: {GGUF
+    expert tensor name: importance [n_expert, k]} for the experts' quantizer (`encode`; others get none).
     """
     if arch not in rules.ARCHITECTURES:
         raise ValueError(f"arch {arch!r}: expected one of {list(rules.ARCHITECTURES)}")
@@ -120,11 +132,13 @@ def write_gguf(
     for p in sorted(params, key=lambda p: tuple(map(str, p))):
         t = rules.target_for(p, tuple(np.shape(params[p])), cfg)
         for tname, a in zip(t.names, rules.to_gguf(t.kind, params[p], cfg)):
+            im = None
             if t.is_expert:
                 fmt = mix.format(int(tname.split(".")[1]), t.matrix)
+                im = (imatrix or {}).get(tname)
             else:
                 fmt = _dense_format(tname, a, dense_type)
-            data, raw = encode(a, fmt)
+            data, raw = encode(a, fmt, im)
             w.add_tensor(tname, data, raw_dtype=raw)
     _write(w)
 
