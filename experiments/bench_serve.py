@@ -18,7 +18,7 @@ from ml_collections import config_flags
 
 from experiments import cli
 from glm53 import assets, build, files
-from glm53.config import MOE_IMPLEMENTATIONS, model_config_from_dict
+from glm53.config import model_config_from_dict
 from glm53.serving import engine as E
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -56,10 +56,7 @@ def bench(model, vocab: int, n: int, slots: int, prompt_len: int, max_new: int) 
             "itl_p50_ms": _pct(itl, 50), "itl_p99_ms": _pct(itl, 99), "decode_steps": eng.stats["steps"] - steps0}  # fmt: skip
 
 
-_MOE_IMPL = flags.DEFINE_enum(
-    "moe_impl", "auto", list(MOE_IMPLEMENTATIONS),
-    "routed-expert implementation (kernels.moe.api); auto: by backend (CPU: the loop over distinct experts)",
-)  # fmt: skip
+_MOE_IMPL = cli.define_moe_impl_flag()
 
 
 def main(argv):

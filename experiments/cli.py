@@ -19,6 +19,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from glm53.config import MOE_IMPLEMENTATIONS
 from glm53.errors import CheckpointError, ConfigError, DataError, GGUFError, ShardingError, TrainingError
 from glm53.tokenizer import TokenizerError
 
@@ -117,3 +118,12 @@ def run(main: Callable[[list[str]], None]) -> None:
             error_exit(e)
 
     app.run(wrapped, flags_parser=parse_flags)
+
+
+def define_moe_impl_flag() -> flags.FlagHolder:
+    """`--moe_impl` (default auto) for the entry points that build their model's kernels themselves (serve,
+    bench_serve): passed as `kernels={"moe": ...}` to `build.random_model` / `build.load_model`."""
+    return flags.DEFINE_enum(
+        "moe_impl", "auto", list(MOE_IMPLEMENTATIONS),
+        "routed-expert implementation (kernels.moe.api); auto: by backend (CPU: the loop over distinct experts)",
+    )  # fmt: skip

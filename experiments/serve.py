@@ -22,7 +22,7 @@ from ml_collections import config_flags
 
 from experiments import cli
 from glm53 import assets, build, tokenizer
-from glm53.config import MOE_IMPLEMENTATIONS, model_config_from_dict
+from glm53.config import model_config_from_dict
 from glm53.model import count_params
 from glm53.serving.app import make_app
 from glm53.serving.engine import Engine
@@ -49,10 +49,7 @@ _CACHE = flags.DEFINE_string(
 )
 
 
-_MOE_IMPL = flags.DEFINE_enum(
-    "moe_impl", "auto", list(MOE_IMPLEMENTATIONS),
-    "routed-expert implementation (kernels.moe.api); auto: by backend (CPU: the loop over distinct experts)",
-)  # fmt: skip
+_MOE_IMPL = cli.define_moe_impl_flag()
 
 
 def main(argv):
