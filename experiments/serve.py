@@ -26,6 +26,8 @@ from glm53.config import model_config_from_dict
 from glm53.model import count_params
 from glm53.serving.app import make_app
 from glm53.serving.engine import Engine
+from glm53.serving.reasoning import THINK_CLOSE, THINK_OPEN
+from glm53.serving.text import detokenizer
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "experiment config (configs/*.py[:variant]): its random model", lock_config=True
@@ -91,7 +93,7 @@ def main(argv):
     print(f"{what}; {count_params(model) / 1e6:.2f}M parameters", flush=True)
     engine = Engine(model, slots=_SLOTS.value, max_len=_MAX_LEN.value, buckets=buckets,
                     eos_ids=cfg.eos_token_ids, max_queue=_QUEUE.value,
-                    detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True))  # fmt: skip
+                    detokenize=detokenizer(tok, keep=(THINK_OPEN, THINK_CLOSE)))  # fmt: skip
     print(f"model {name!r}: {_SLOTS.value} slots x {_MAX_LEN.value} positions, prefill buckets {buckets}",
           flush=True)  # fmt: skip
     application = make_app(engine, tok, name, api_key=_API_KEY.value, log=lambda s: print(s, flush=True))

@@ -173,6 +173,42 @@ def test_anthropic_messages_and_count_tokens(server):
     assert sysm.usage.input_tokens > m.usage.input_tokens
 
 
+def test_thinking_through_the_sdks(server):
+    """Thinking asked for: the prompt ends inside `<think>`; the reasoning comes back apart from the answer
+    (OpenAI `reasoning_content`, Anthropic a `thinking` block, streamed as thinking_delta); Anthropic's
+    budget_tokens feeds `</think>` after that many tokens. Both APIs render the same prompt: same reasoning."""
+    c, a = _oai(server), _ant(server)
+    msgs = [{"role": "user", "content": "Why is the sky blue?"}]
+    r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0, reasoning_effort="high")
+    reasoning = r.choices[0].message.model_extra["reasoning_content"]
+    assert reasoning and "</think>" not in reasoning and r.choices[0].message.content == ""
+    chunks = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0, stream=True,
+                                            extra_body={"chat_template_kwargs": {"enable_thinking": True}}))  # fmt: skip
+    assert "".join((x.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+                   for x in chunks if x.choices) == reasoning  # fmt: skip
+    plain = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0)
+    assert "reasoning_content" not in (plain.choices[0].message.model_extra or {})
+    think = {"type": "enabled", "budget_tokens": 5}
+    m = a.messages.create(model=MODEL, max_tokens=12, messages=msgs, thinking=think, extra_body=GREEDY)
+    assert [b.type for b in m.content] == ["thinking", "text"] and m.content[0].thinking == reasoning
+    assert m.usage.output_tokens <= 12 and m.stop_reason in ("max_tokens", "end_turn")
+    with a.messages.stream(model=MODEL, max_tokens=12, messages=msgs, thinking=think, extra_body=GREEDY) as s:
+        deltas = [e.delta.type for e in s if e.type == "content_block_delta"]
+        final = s.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None), getattr(b, "text", None)) for b in final.content] == [
+        (b.type, getattr(b, "thinking", None), getattr(b, "text", None)) for b in m.content]  # fmt: skip
+    assert deltas[0] == "thinking_delta" and "text_delta" in deltas
+    n = a.messages.count_tokens(model=MODEL, messages=msgs, thinking=think).input_tokens
+    assert n == m.usage.input_tokens == a.messages.count_tokens(model=MODEL, messages=msgs).input_tokens + 1
+    for body, field in (({"thinking": {"type": "enabled", "budget_tokens": 12}}, "budget_tokens"),
+                        ({"thinking": {"type": "on"}}, "thinking"),
+                        ({"thinking": think, "tools": [{"name": "f"}], "tool_choice": {"type": "any"}}, "thinking")):  # fmt: skip
+        status, raw = _post(server, "/v1/messages", {"model": MODEL, "max_tokens": 12, "messages": msgs, **body})
+        assert status == 400 and field in json.loads(raw)["error"]["message"], raw
+    status, raw = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "reasoning_effort": "max"})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "reasoning_effort"
+
+
 PROMPTS = ["Hello!", "Write a poem about the sea.", "def add(a, b):", "What is 2 + 2?", "Tell me a story",
            "import numpy as np", "Why?", "List three colors."]  # fmt: skip
 

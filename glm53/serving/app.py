@@ -9,10 +9,8 @@ request, which frees its slot.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
-import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,7 +19,7 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
 from glm53.serving import protocol as P
-from glm53.serving import tools as T
+from glm53.serving import responses as R
 from glm53.serving.engine import Engine, Event, QueueFull
 
 ANTHROPIC_PATHS = ("/v1/messages",)
@@ -148,17 +146,6 @@ def make_app(engine: Engine, tok, model_name: str, *, api_key: str | None = None
             if not done:
                 engine.cancel(rid)
 
-    async def collect(rid, q) -> tuple[str, Event]:
-        text = []
-        async for ev in events(rid, q):
-            text.append(ev.text)
-        if ev.finish_reason == "error":
-            raise P.ApiError(500, f"generation failed: {ev.error}", None, "api_error")
-        return "".join(text), ev
-
-    def sse(data) -> str:
-        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
     # ---------------------------------------------------------------------------------------------- routes
     @app.get("/health")
     async def health():
@@ -176,86 +163,26 @@ def make_app(engine: Engine, tok, model_name: str, *, api_key: str | None = None
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(started),
                                             "owned_by": "glm53"}]}  # fmt: skip
 
-    def openai_usage(ev: Event) -> dict:
-        return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
-                "total_tokens": ev.prompt_tokens + ev.completion_tokens}  # fmt: skip
-
-    def finish(ev: Event) -> str:
-        return "length" if ev.finish_reason == "length" else "stop"
-
-    async def openai_answer(gen: P.Generation, chat: bool):
+    async def answer(gen: P.Generation, api: str, chat: bool = True):
         rid, q = submit(gen)
-        oid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        obj = "chat.completion" if chat else "text_completion"
-        created = int(time.time())
+        ev = events(rid, q)
+        if api == "anthropic":
+            if not gen.stream:
+                return await R.anthropic_body(gen, ev, model_name)
+            return StreamingResponse(R.anthropic_stream(gen, ev, model_name), media_type="text/event-stream")
         if not gen.stream:
-            text, ev = await collect(rid, q)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
-                      if chat else {"index": 0, "text": text, "logprobs": None})  # fmt: skip
-            choice["finish_reason"] = finish(ev)
-            if gen.tools is not None:
-                content, calls = T.parse(text, gen.tools)
-                if calls:
-                    choice["message"] = {"role": "assistant", "content": content or None, "tool_calls": [
-                        {"id": c.id, "type": "function",
-                         "function": {"name": c.name, "arguments": c.arguments_json}} for c in calls]}  # fmt: skip
-                    choice["finish_reason"] = "tool_calls"
-            return {"id": oid, "object": obj, "created": created, "model": model_name, "choices": [choice],
-                    "usage": openai_usage(ev)}  # fmt: skip
-
-        def chunk(delta_or_text, reason=None):
-            c = {"index": 0, "finish_reason": reason, "logprobs": None}
-            c.update({"delta": delta_or_text} if chat else {"text": delta_or_text})
-            d = {"id": oid, "object": obj + ".chunk" if chat else obj, "created": created, "model": model_name,
-                 "choices": [c]}  # fmt: skip
-            if gen.include_usage:
-                d["usage"] = None
-            return sse(d)
-
-        async def body():
-            mode = gen.tools if chat else None
-            split = T.ContentStream(mode)
-            forced = mode is not None and mode.force
-            if chat:
-                yield chunk({"role": "assistant", "content": ""})
-            if forced:  # the name is known before the arguments are generated
-                call = T.ToolCall(mode.force, {})
-                yield chunk({"tool_calls": [{"index": 0, "id": call.id, "type": "function",
-                                             "function": {"name": call.name, "arguments": ""}}]})  # fmt: skip
-            async for ev in events(rid, q):
-                text = split.push(ev.text) if chat else ev.text
-                if text:
-                    yield chunk({"content": text} if chat else text)
-                if ev.finish_reason is not None:
-                    reason = finish(ev)
-                    if mode is not None:
-                        rest, calls = split.finish()
-                        if rest:
-                            yield chunk({"content": rest})
-                        for k, c in enumerate(calls):
-                            d = {"index": k, "function": {"arguments": c.arguments_json}}
-                            if not forced:
-                                d.update(id=c.id, type="function")
-                                d["function"]["name"] = c.name
-                            yield chunk({"tool_calls": [d]})
-                        reason = "tool_calls" if calls else reason
-                    yield chunk({} if chat else "", reason)
-                    if gen.include_usage:
-                        yield sse({"id": oid, "object": obj + ".chunk" if chat else obj, "created": created,
-                                   "model": model_name, "choices": [], "usage": openai_usage(ev)})  # fmt: skip
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(body(), media_type="text/event-stream")
+            return await R.openai_body(gen, ev, model_name, chat)
+        return StreamingResponse(R.openai_stream(gen, ev, model_name, chat), media_type="text/event-stream")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(r: P.ChatRequest):
         check_model(r.model)
-        return await openai_answer(P.openai_chat(r, tok, engine.max_len), chat=True)
+        return await answer(P.openai_chat(r, tok, engine.max_len), "openai")
 
     @app.post("/v1/completions")
     async def completions(r: P.CompletionRequest):
         check_model(r.model)
-        return await openai_answer(P.openai_completion(r, tok, engine.cfg.vocab_size), chat=False)
+        return await answer(P.openai_completion(r, tok, engine.cfg.vocab_size), "openai", chat=False)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(r: P.CountTokensRequest):
@@ -265,77 +192,7 @@ def make_app(engine: Engine, tok, model_name: str, *, api_key: str | None = None
     @app.post("/v1/messages")
     async def messages(r: P.MessagesRequest):
         check_model(r.model)
-        gen = P.anthropic_messages(r, tok)
-        rid, q = submit(gen)
-        mid = "msg_" + uuid.uuid4().hex[:24]
-        n_in = len(gen.request.prompt)
-        if not gen.stream:
-            text, ev = await collect(rid, q)
-            reason = "stop_sequence" if ev.stop_sequence else P.STOP_REASONS[ev.finish_reason]
-            content = [{"type": "text", "text": text}]
-            if gen.tools is not None:
-                text, calls = T.parse(text, gen.tools)
-                if calls:
-                    content = [{"type": "text", "text": text}] if text else []
-                    content += [{"type": "tool_use", "id": "toolu_" + c.id[5:], "name": c.name,
-                                 "input": c.arguments} for c in calls]  # fmt: skip
-                    reason = "tool_use"
-            return {"id": mid, "type": "message", "role": "assistant", "model": model_name,
-                    "content": content, "stop_reason": reason,
-                    "stop_sequence": None if reason == "tool_use" else ev.stop_sequence,
-                    "usage": {"input_tokens": n_in, "output_tokens": ev.completion_tokens}}  # fmt: skip
-
-        def event(name, data):
-            return f"event: {name}\ndata: {json.dumps({'type': name, **data}, ensure_ascii=False)}\n\n"
-
-        async def body():
-            yield event("message_start", {"message": {
-                "id": mid, "type": "message", "role": "assistant", "model": model_name, "content": [],
-                "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": n_in, "output_tokens": 0}}})  # fmt: skip
-            mode = gen.tools
-            split = T.ContentStream(mode)
-            forced = mode is not None and mode.force
-            if forced:  # the name is known before the arguments are generated: a tool_use block at once
-                block = {
-                    "type": "tool_use",
-                    "id": "toolu_" + uuid.uuid4().hex[:24],
-                    "name": mode.force,
-                    "input": {},
-                }
-            else:
-                block = {"type": "text", "text": ""}
-            yield event("content_block_start", {"index": 0, "content_block": block})
-            yield event("ping", {})
-            async for ev in events(rid, q):
-                text = split.push(ev.text)
-                if text:
-                    yield event(
-                        "content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}}
-                    )
-                if ev.finish_reason is not None:
-                    reason = "stop_sequence" if ev.stop_sequence else P.STOP_REASONS[ev.finish_reason]
-                    stop_seq = ev.stop_sequence
-                    rest, calls = split.finish()
-                    if rest:
-                        yield event(
-                            "content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": rest}}
-                        )
-                    for k, c in enumerate(calls):
-                        if not forced or k:
-                            yield event("content_block_stop", {"index": k})
-                            yield event("content_block_start", {"index": k + 1, "content_block": {
-                                "type": "tool_use", "id": "toolu_" + c.id[5:], "name": c.name, "input": {}}})  # fmt: skip
-                        i = k if forced else k + 1
-                        yield event("content_block_delta", {"index": i, "delta": {
-                            "type": "input_json_delta", "partial_json": c.arguments_json}})  # fmt: skip
-                    if calls:
-                        reason, stop_seq = "tool_use", None
-                    yield event("content_block_stop", {"index": len(calls) - (1 if forced else 0)})
-                    yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": stop_seq},
-                                                  "usage": {"output_tokens": ev.completion_tokens}})  # fmt: skip
-                    yield event("message_stop", {})
-
-        return StreamingResponse(body(), media_type="text/event-stream")
+        return await answer(P.anthropic_messages(r, tok), "anthropic")
 
     app.state.engine = engine
     return app

@@ -9,6 +9,10 @@ Programs (all compiled once, at `warmup`; `compiled_programs` counts them):
     include 1, so no chunk is ever padded: every chunk is exact);
   * insert: the finished staging cache is written over the free slot's rows (every row and position, so nothing
     of the slot's previous request survives), and the first token is sampled from the prefill's last logits.
+Options: `prefix_cache_bytes` > 0: a prompt sharing whole blocks of `prefix_block` tokens with an earlier one
+resumes from their snapshots (glm53.serving.prefix; chunks then end on block boundaries, 4 more programs);
+`speculative=True`: the decode step verifies each slot's MTP draft (glm53.serving.speculative; the decode,
+prefill and insert programs are its variants, which also keep the MTP cache).
 One host transfer of all slots' tokens per decode step. Stops: EOS ids, stop strings (on the detokenized text;
 text that may begin a stop string is held back), max_tokens, the cache's length, cancellation (frees the slot).
 `submit` / `cancel` are thread-safe (bounded queue: `QueueFull` when full); `step` runs in one thread.
@@ -32,6 +36,8 @@ from flax import nnx
 
 from glm53 import sampling
 from glm53.model import Cache, Glm53Model
+from glm53.serving import speculative as spec
+from glm53.serving.prefix import PrefixCache
 from glm53.serving.text import StopText
 
 
@@ -55,6 +61,9 @@ class Request:
     # Called with the whole text so far after each token: True ends the request ("stop"), e.g. a tool call's
     # arguments that are complete or can no longer parse (glm53.serving.tools.arguments_done).
     until: Callable[[str], bool] | None = None
+    # Thinking's budget (glm53.serving.reasoning): (N, the ids of `</think>`): after N generated tokens without
+    # those ids, they are fed in place of the next sampled tokens, which ends the reasoning.
+    think_budget: tuple[int, list[int]] | None = None
 
     def __post_init__(self):
         sampling.check_params(self.temperature, self.top_p, self.top_k)
@@ -86,14 +95,24 @@ class Event:
     completion_tokens: int = 0
     error: str | None = None
     stop_sequence: str | None = None  # the stop string that ended the request
+    drafted: int = 0  # speculative decoding (last event): MTP drafts verified for this request
+    accepted: int = 0  # ... and accepted (each one a token gained)
+    prefix_tokens: int = 0  # prompt tokens resumed from the prefix cache (not prefilled)
 
 
 Sink = Callable[[Event], None]
 
 
-def chunk_plan(n: int, buckets: Sequence[int]) -> list[int]:
-    """Chunk sizes covering n tokens, largest bucket first (buckets contain 1, so the sum is exact)."""
+def chunk_plan(n: int, buckets: Sequence[int], block: int = 0) -> list[int]:
+    """Chunk sizes covering n tokens, largest bucket first (buckets contain 1, so the sum is exact). block > 0:
+    a chunk ends on every multiple of `block` it reaches (whole blocks in chunks of the buckets that are
+    multiples of it, the rest block by block, then the tail), so the prefix cache can snapshot there."""
     out, rest = [], n
+    if block:
+        head = chunk_plan(n - n % block, [b for b in buckets if b % block == 0])
+        per_block = chunk_plan(block, buckets)
+        out = head + per_block * ((n - n % block - sum(head)) // block)
+        return out + chunk_plan(n % block, buckets)
     for b in sorted(buckets, reverse=True):
         while rest >= b:
             out.append(b)
@@ -111,14 +130,21 @@ class _Seq:
     generated: list[int] = dataclasses.field(default_factory=list)
     chunks: list[int] = dataclasses.field(default_factory=list)
     fed: int = 0  # prompt tokens prefilled so far
+    resumed: int = 0  # prompt tokens restored from the prefix cache
+    drafted: int = 0
+    accepted: int = 0
     t_submit: float = 0.0
     t_first: float | None = None
+    forced: list[int] = dataclasses.field(default_factory=list)  # ids fed in place of the next sampled ones
+    think_done: bool = False  # `</think>` was generated (Request.think_budget)
 
 
 class Engine:
     """B slots over one model. `detokenize(ids) -> str` turns generated ids into text (None: no text, no stop
     strings). compiler_options go to every `jax.jit` (e.g. {"xla_backend_optimization_level": 0}: faster
-    compiles for tests). Not thread-safe except `submit`, `cancel` and the counters; drive it with `step` / `run`."""
+    compiles for tests). Not thread-safe except `submit`, `cancel` and the counters; drive it with `step` / `run`.
+    prefix_cache_bytes: the prefix cache's byte budget (0: off), prefix_block its block (tokens, a multiple of
+    index_kpool); speculative: MTP speculative decoding (the model needs its MTP block)."""
 
     def __init__(
         self,
@@ -131,6 +157,9 @@ class Engine:
         detokenize: Callable[[list[int]], str] | None = None,
         max_queue: int = 64,
         compiler_options: dict | None = None,
+        prefix_cache_bytes: int = 0,
+        prefix_block: int = 16,
+        speculative: bool = False,
     ):
         for name, v, lo in (("slots", slots, 1), ("max_len", max_len, 2), ("max_queue", max_queue, 1)):
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
@@ -140,11 +169,21 @@ class Engine:
             raise ValueError(
                 f"buckets={buckets!r}: positive integers including 1 (so any length splits exactly)"
             )
+        if speculative and model.mtp is None:
+            raise ValueError("speculative=True: the model has no MTP block (build it with with_mtp=True)")
         self.cfg = model.cfg
+        self.speculative = bool(speculative)
         self.slots, self.max_len, self.buckets = slots, max_len, tuple(buckets)
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.detokenize = detokenize
         self.graphdef, self.state = nnx.split(model)
+        self._h_dtype = model.dtype
+        self.stats = collections.Counter()  # steps, tokens, prefill_tokens, requests, finished, refused, ...
+        self.prefix = None
+        if prefix_cache_bytes:
+            jit = functools.partial(jax.jit, compiler_options=compiler_options)
+            self.prefix = PrefixCache(block=prefix_block, budget=prefix_cache_bytes, kpool=self.cfg.index_kpool,
+                                      with_mtp=self.speculative, jit=jit, stats=self.stats)  # fmt: skip
         self._build_programs(compiler_options)
         self.cache = self._init(self.state, slots)
         self._waiting: queue.Queue = queue.Queue(maxsize=max_queue)
@@ -154,9 +193,10 @@ class Engine:
         self._active: dict[int, _Seq] = {}
         self._prefilling: _Seq | None = None
         self._staging: Cache | None = None
+        self._h = None  # speculative: the staging's last hidden state (the MTP block pairs it with the next token)
         self._tokens = np.zeros(slots, np.int32)
+        self._drafts = np.zeros(slots, np.int32)  # speculative: each slot's MTP draft of the token after its next
         self._ids = 0
-        self.stats = collections.Counter()  # steps, tokens, prefill_tokens, requests, finished, refused, ...
         self.warm = False
 
     # ------------------------------------------------------------------------------------------- programs
@@ -191,39 +231,72 @@ class Engine:
             return tok, cache
 
         self._decode, self._prefill, self._insert = decode, prefill, insert
+        if self.speculative:
+            self._decode, self._prefill, self._insert = spec.build(gd, jit, keys)
         self._init = jit(
             lambda state, b: nnx.merge(gd, state).init_cache(b, self.max_len), static_argnums=(1,)
         )
 
     def compiled_programs(self) -> int:
-        """Programs compiled so far (decode, prefill per bucket, insert, cache init): constant after `warmup`."""
-        return sum(f._cache_size() for f in (self._decode, self._prefill, self._insert, self._init))
+        """Programs compiled so far (decode, prefill per bucket, insert, cache init, the prefix cache's four):
+        constant after `warmup`."""
+        extra = self.prefix.programs if self.prefix else ()
+        return sum(f._cache_size() for f in (self._decode, self._prefill, self._insert, self._init, *extra))
 
     def warmup(self, log: Callable[[str], None] | None = None) -> float:
         """Compiles every program once (a line per program to `log`); returns the seconds it took."""
         t0 = time.perf_counter()
         b = self.slots
-        z = np.zeros(b, np.int32)
-        args = self._sampling_args([None] * b, b)
-        tok, self.cache = self._decode(self.state, self.cache, z, np.zeros(b, bool), z, *args)
-        jax.block_until_ready(tok)
+        self._run_decode(np.zeros(b, bool), np.zeros(b, np.int32), self._sampling_args([None] * b, b))
         if log:
-            log(f"compiled decode [{b} slots] ({time.perf_counter() - t0:.1f} s)")
-        staging = self._init(self.state, 1)
+            log(f"compiled decode [{b} slots{', speculative' if self.speculative else ''}] "
+                f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
+        staging = self._new_staging()
         for c in self.buckets:
             t = time.perf_counter()
-            logits, staging = self._prefill(self.state, staging, np.zeros((1, c), np.int32))
+            logits, staging = self._run_prefill(staging, np.zeros((1, c), np.int32))
             jax.block_until_ready(logits)
             if log:
                 log(f"compiled prefill chunk {c} ({time.perf_counter() - t:.1f} s)")
-        staging = self._init(self.state, 1)  # a fresh one: the warm-up chunks may have run past max_len
-        tok, self.cache = self._insert(self.cache, staging, 0, logits, *self._sampling_args([None], 1))
-        jax.block_until_ready(tok)
+        if self.prefix:
+            jax.block_until_ready(self.prefix.warmup(self._new_staging()))
+        staging = self._new_staging()  # a fresh one: the warm-up chunks may have run past max_len
+        self._run_insert(staging, 0, logits, None)
         self.warm = True
         dt = time.perf_counter() - t0
         if log:
             log(f"engine warm: {self.compiled_programs()} programs in {dt:.1f} s")
         return dt
+
+    def _new_staging(self) -> Cache:
+        if self.speculative:
+            self._h = jnp.zeros((1, 1, self.cfg.hidden_size), self._h_dtype)
+        return self._init(self.state, 1)
+
+    def _run_prefill(self, staging: Cache, toks):
+        if not self.speculative:
+            return self._prefill(self.state, staging, toks)
+        logits, self._h, staging = self._prefill(self.state, staging, toks, self._h)
+        return logits, staging
+
+    def _run_insert(self, staging: Cache, slot: int, logits, seq) -> int:
+        args = self._sampling_args([seq], 1)
+        if not self.speculative:
+            tok, self.cache = self._insert(self.cache, staging, slot, logits, *args)
+            return int(np.asarray(tok)[0])
+        out, self.cache = self._insert(self.state, self.cache, staging, slot, logits, self._h, *args)
+        out = np.asarray(out)
+        self._drafts[slot] = out[1]
+        return int(out[0])
+
+    def _run_decode(self, active, counts, args) -> np.ndarray:
+        """tokens [B] (plain), or rows (y0, y1, accepted, next draft) [B, 4] (speculative): the host transfer."""
+        if self.speculative:
+            out, self.cache = self._decode(self.state, self.cache, self._tokens, self._drafts, active, counts,
+                                           *args)  # fmt: skip
+        else:
+            out, self.cache = self._decode(self.state, self.cache, self._tokens, active, counts, *args)
+        return np.asarray(out)
 
     def _sampling_args(self, seqs, n):
         seeds, temp = np.zeros(n, np.uint32), np.zeros(n, np.float32)
@@ -287,7 +360,8 @@ class Engine:
         self.stats["finished"] += 1
         self.stats[f"finish_{reason}"] += 1
         n_prompt, n_gen = len(seq.req.prompt), len(seq.generated)
-        seq.sink(Event(seq.req.id, tokens, text, reason, n_prompt, n_gen, error, stop))
+        seq.sink(Event(seq.req.id, tokens, text, reason, n_prompt, n_gen, error, stop,
+                       drafted=seq.drafted, accepted=seq.accepted, prefix_tokens=seq.resumed))  # fmt: skip
 
     def _handle_cancels(self) -> None:
         while True:
@@ -315,23 +389,30 @@ class Engine:
                 self._finish(seq, "cancelled", [], "")
                 continue
             seq.slot = min(set(range(self.slots)) - set(self._active))
-            seq.chunks = chunk_plan(len(seq.req.prompt), self.buckets)
-            self._prefilling, self._staging = seq, self._init(self.state, 1)
+            staging = self._new_staging()
+            if self.prefix:
+                seq.resumed, staging, h = self.prefix.restore(seq.req.prompt, staging)
+                seq.fed = seq.resumed
+                self._h = self._h if h is None else h
+            block = self.prefix.block if self.prefix else 0
+            seq.chunks = chunk_plan(len(seq.req.prompt) - seq.fed, self.buckets, block)
+            self._prefilling, self._staging = seq, staging
 
     def _prefill_chunk(self) -> None:
         seq = self._prefilling
         c = seq.chunks.pop(0)
         toks = np.asarray(seq.req.prompt[seq.fed : seq.fed + c], np.int32)[None]
-        logits, self._staging = self._prefill(self.state, self._staging, toks)
+        logits, self._staging = self._run_prefill(self._staging, toks)
         seq.fed += c
         self.stats["prefill_tokens"] += c
+        if self.prefix:
+            self.prefix.store(seq.req.prompt, self._staging, seq.fed - c, seq.fed, self._h)
         if seq.chunks:
             return
-        tok, self.cache = self._insert(self.cache, self._staging, seq.slot, logits,
-                                       *self._sampling_args([seq], 1))  # fmt: skip
+        tok = self._run_insert(self._staging, seq.slot, logits, seq)
         self._prefilling, self._staging = None, None
         self._active[seq.slot] = seq
-        self._emit(seq, int(np.asarray(tok)[0]))
+        self._emit(seq, tok)
 
     def _emit(self, seq: _Seq, tok: int) -> None:
         """Records a sampled token and sends what may be sent; finishes the request on a stop."""
@@ -339,8 +420,15 @@ class Engine:
             seq.t_first = time.perf_counter()
             self.stats["ttft_ms_sum"] += int(1000 * (seq.t_first - seq.t_submit))
             self.stats["ttft_count"] += 1
+        if seq.forced:
+            tok = seq.forced.pop(0)
         seq.generated.append(tok)
         self.stats["tokens"] += 1
+        if seq.req.think_budget is not None and not seq.think_done:
+            n, close = seq.req.think_budget
+            seq.think_done = seq.generated[-len(close) :] == close
+            if not seq.think_done and not seq.forced and len(seq.generated) >= n:
+                seq.forced = list(close)
         self._tokens[seq.slot] = tok
         if tok in seq.eos:
             text = seq.stop.flush()
@@ -365,13 +453,23 @@ class Engine:
         for i, s in enumerate(seqs):
             if s is not None:
                 active[i], counts[i] = True, len(s.generated)
-        args = self._sampling_args(seqs, b)
-        tok, self.cache = self._decode(self.state, self.cache, self._tokens, active, counts, *args)
-        tok = np.asarray(tok)  # the one host transfer of the step
+        drafts = self._drafts.copy()
+        out = self._run_decode(active, counts, self._sampling_args(seqs, b))  # the one host transfer
         self.stats["steps"] += 1
         for i, s in enumerate(seqs):
-            if s is not None:
-                self._emit(s, int(tok[i]))
+            if s is None:
+                continue
+            if not self.speculative:
+                self._emit(s, int(out[i]))
+                continue
+            y0, y1, acc, self._drafts[i] = (int(v) for v in out[i])
+            if s.req.temperature <= 0:
+                s.drafted, s.accepted = s.drafted + 1, s.accepted + acc
+                self.stats["drafted"] += 1
+                self.stats["accepted"] += acc
+            for tok in (drafts[i], y1) if acc else (y0,):
+                if self._active.get(i) is s:  # a stop on the first token drops the second
+                    self._emit(s, int(tok))
 
     def step(self) -> bool:
         """One round: cancellations, admission, one prefill chunk, one decode step. False when idle."""

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from glm53.serving import tools as T
 from glm53.serving.engine import Request
+from glm53.serving.reasoning import THINK_CLOSE, THINK_OPEN, anthropic_thinking, openai_thinking
 
 
 class ApiError(Exception):
@@ -68,6 +69,8 @@ class ChatRequest(_OpenAISampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None  # thinking unless "none" (glm53.serving.reasoning)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: {"enable_thinking": bool}
 
 
 class CompletionRequest(_OpenAISampling):
@@ -86,7 +89,6 @@ class _AnthropicBase(_Strict):
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
     metadata: dict[str, Any] | None = None
-    # thinking is accepted and not used (yet).
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
@@ -123,6 +125,7 @@ class Generation:
     stream: bool
     include_usage: bool = False
     tools: T.ToolMode | None = None  # tools offered / a call forced: the answer is parsed for calls
+    thinking: bool = False  # the prompt ends inside a <think> block: the generation starts as reasoning
 
 
 def _text_of(content, where: str) -> str:
@@ -147,17 +150,35 @@ def _text_of(content, where: str) -> str:
     return "".join(out)
 
 
-def _render(tok, messages: list[dict], mode: T.ToolMode | None = None) -> list[int]:
-    """The chat template's prompt; with tools, their system message first and a forced call's prefix last."""
+def _render(tok, messages: list[dict], mode: T.ToolMode | None = None, thinking: bool = False) -> list[int]:
+    """The chat template's prompt; with tools, their system message first and a forced call's prefix last; with
+    thinking, rendered with enable_thinking=True and ending inside a `<think>` block."""
     if mode is not None:
         messages = [{"role": "system", "content": T.render_tools(mode.tools)}, *messages]
+    kw = {"enable_thinking": True} if thinking else {}
     try:
-        ids = list(tok.apply_chat_template(messages, add_generation_prompt=True))
+        ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, **kw))
     except ValueError as e:  # TokenizerError: a template that refuses the conversation
         raise ApiError(400, f"messages: {e}", "messages") from None
+    if thinking:
+        open_ids = list(tok.encode(THINK_OPEN, add_special_tokens=False))
+        if ids[-len(open_ids) :] != open_ids:
+            ids += open_ids
     if mode is not None and mode.forced_prefix:
         ids += list(tok.encode(mode.forced_prefix, add_special_tokens=False))
     return ids
+
+
+def _thinking(fn, *args):
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise ApiError(400, str(e), str(e).split(":")[0]) from None
+
+
+def _no_forced_call(thinking: bool, mode: T.ToolMode | None) -> None:
+    if thinking and mode is not None and mode.force is not None:
+        raise ApiError(400, "thinking: cannot be enabled when tool_choice forces a tool call", "thinking")
 
 
 def _tool_mode(fn, *args) -> T.ToolMode | None:
@@ -216,13 +237,14 @@ def _stop(stop) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _request(prompt, max_tokens, r, stop, default_max: int, mode: T.ToolMode | None = None) -> Request:
+def _request(prompt, max_tokens, r, stop, default_max: int, mode: T.ToolMode | None = None,
+             think_budget: tuple[int, list[int]] | None = None) -> Request:  # fmt: skip
     """A forced named call stops as soon as its arguments are a whole JSON object or can no longer be one."""
     until = T.arguments_done if mode is not None and mode.force else None
     try:
         return Request(prompt=prompt, max_tokens=max_tokens or default_max, temperature=r.temperature,
                        top_p=r.top_p, top_k=r.top_k, seed=getattr(r, "seed", None) or 0, stop=stop,
-                       until=until)  # fmt: skip
+                       until=until, think_budget=think_budget)  # fmt: skip
     except ValueError as e:
         raise ApiError(400, str(e), str(e).split("=")[0]) from None
 
@@ -230,12 +252,14 @@ def _request(prompt, max_tokens, r, stop, default_max: int, mode: T.ToolMode | N
 def openai_chat(r: ChatRequest, tok, max_len: int) -> Generation:
     """max_tokens defaults to the rest of the context (`max_len` positions)."""
     mode = _tool_mode(T.openai_tools, r.tools, r.tool_choice)
-    prompt = _render(tok, [_openai_message(m, i) for i, m in enumerate(r.messages)], mode)
+    thinking = _thinking(openai_thinking, r.reasoning_effort, r.chat_template_kwargs)
+    _no_forced_call(thinking, mode)
+    prompt = _render(tok, [_openai_message(m, i) for i, m in enumerate(r.messages)], mode, thinking)
     inc = bool(r.stream_options and r.stream_options.include_usage)
     default = max(1, max_len - len(prompt))
     stop = _stop(r.stop) + ((T.CALL_CLOSE,) if mode and mode.force is not None else ())
     return Generation(_request(prompt, r.max_completion_tokens or r.max_tokens, r, stop, default, mode),
-                      r.stream, inc, mode)  # fmt: skip
+                      r.stream, inc, mode, thinking)  # fmt: skip
 
 
 def openai_completion(r: CompletionRequest, tok, vocab_size: int, default_max: int = 16) -> Generation:
@@ -251,18 +275,19 @@ def openai_completion(r: CompletionRequest, tok, vocab_size: int, default_max: i
     return Generation(_request(prompt, r.max_tokens, r, _stop(r.stop), default_max), r.stream, inc)
 
 
-def anthropic_prompt(r: _AnthropicBase, tok, mode: T.ToolMode | None = None) -> list[int]:
+def anthropic_prompt(r: _AnthropicBase, tok, mode: T.ToolMode | None = None, thinking: bool = False) -> list[int]:
     msgs = []
     if r.system:
         msgs.append({"role": "system", "content": _text_of(r.system, "system")})
     for i, m in enumerate(r.messages):
         msgs += _anthropic_messages(m, i)
-    return _render(tok, msgs, mode)
+    return _render(tok, msgs, mode, thinking)
 
 
 def anthropic_count(r: _AnthropicBase, tok) -> int:
-    """count_tokens: the prompt's length, tools and a forced call's prefix included."""
-    return len(anthropic_prompt(r, tok, _tool_mode(T.anthropic_tools, r.tools, r.tool_choice)))
+    """count_tokens: the prompt's length, tools, thinking's opening and a forced call's prefix included."""
+    thinking, _ = _thinking(anthropic_thinking, r.thinking)
+    return len(anthropic_prompt(r, tok, _tool_mode(T.anthropic_tools, r.tools, r.tool_choice), thinking))
 
 
 def anthropic_messages(r: MessagesRequest, tok) -> Generation:
@@ -270,10 +295,17 @@ def anthropic_messages(r: MessagesRequest, tok) -> Generation:
     if any(not s for s in stop):
         raise ApiError(400, "stop_sequences: stop sequences must be non-empty", "stop_sequences")
     mode = _tool_mode(T.anthropic_tools, r.tools, r.tool_choice)
+    thinking, budget = _thinking(anthropic_thinking, r.thinking)
+    _no_forced_call(thinking, mode)
     if mode and mode.force is not None:
         stop += (T.CALL_CLOSE,)
-    return Generation(_request(anthropic_prompt(r, tok, mode), r.max_tokens, r, stop, r.max_tokens, mode), r.stream,
-                      tools=mode)  # fmt: skip
+    if budget is not None and budget >= r.max_tokens:
+        raise ApiError(400, f"thinking.budget_tokens: {budget} must be less than max_tokens {r.max_tokens}",
+                       "thinking.budget_tokens")  # fmt: skip
+    close = list(tok.encode(THINK_CLOSE, add_special_tokens=False)) if budget is not None else []
+    req = _request(anthropic_prompt(r, tok, mode, thinking), r.max_tokens, r, stop, r.max_tokens, mode,
+                   (budget, close) if budget is not None else None)  # fmt: skip
+    return Generation(req, r.stream, tools=mode, thinking=thinking)
 
 
 # ------------------------------------------------------------------------------------------------ errors

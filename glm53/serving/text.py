@@ -52,3 +52,13 @@ class StopText:
         """Everything not yet sent (the stream ends without a stop string)."""
         out, self.sent = self.text[self.sent :], len(self.text)
         return out
+
+
+def detokenizer(tok, keep: Sequence[str] = ()) -> Callable[[list[int]], str]:
+    """ids -> text for the engine: special tokens are dropped except those spelled in `keep` (e.g. the thinking
+    tags, which glm53.serving.reasoning parses). A tokenizer without special tokens decodes everything."""
+    added = getattr(getattr(tok, "tok", None), "get_added_tokens_decoder", None)
+    if added is None:
+        return lambda ids: tok.decode(ids)
+    drop = frozenset(i for i, t in added().items() if t.special and t.content not in set(keep))
+    return lambda ids: tok.decode([i for i in ids if i not in drop], skip_special_tokens=False)
