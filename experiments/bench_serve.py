@@ -1,62 +1,49 @@
-"""Benchmark the serving engine: total and per-stream tokens/s, time to first token and inter-token latency.
+"""Benchmark the serving engine: tokens/s, time to first token, inter-token latency; MTP and the prefix cache on
+and off; the decode step's cost against the distinct experts it touched (glm53.benchmarks.serve).
 
-  python -m experiments.bench_serve                                   # the shipped model, 1 2 4 8 streams
+  python -m experiments.bench_serve                                   # the shipped model, 1 2 4 8 16 streams
+  python -m experiments.bench_serve --mtp=both --prefix_cache=both --out=serve.json --png=serve.png
   python -m experiments.bench_serve --config=configs/tiny.py --streams=1,2 --max_new=8 --out=/tmp/b.json
 
-For each stream count N: an engine of --slots slots (default: N, the smallest batch that holds them) is compiled
-and warmed, then N requests (different prompts of --prompt_len tokens, greedy, --max_new tokens each, no EOS)
-are submitted at once and run to completion in this thread. Reported per N: total tokens/s, per-stream tokens/s,
-time to first token (from submission) and inter-token latency, p50 / p99 in ms, and the decode steps. The last
-line is the ratio of the largest N's total tokens/s to one stream's. --out writes the rows as JSON.
+For each stream count N and each setting: an engine of --slots slots (default: N, the smallest batch that holds
+them) is compiled and warmed, then N greedy requests (prompts of --prompt_len tokens whose first --shared_prefix
+tokens are common to all, --max_new tokens each, no EOS) are submitted at once and run to completion in this
+thread. Per row: total and per-stream tokens/s, TTFT and ITL p50 / p99 in ms, decode steps and their mean time,
+the prefix cache's saved prefill tokens, MTP's acceptance, and (MTP off) the mean distinct experts per MoE layer
+per decode step. The last line is the ratio of the largest N's total tokens/s to one stream's. --out writes the
+rows as JSON, --png plots them (needs matplotlib).
 """
 
-import time
-
-import numpy as np
+import jax
 from absl import app, flags
 from ml_collections import config_flags
 
 from experiments import cli
 from glm53 import assets, build, files
+from glm53.benchmarks import serve as S
 from glm53.config import model_config_from_dict
-from glm53.serving import engine as E
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "experiment config: its random model", lock_config=True
 )
 _WEIGHTS = flags.DEFINE_string("weights", None, "weights (default: the shipped glm53-mini)")
-_STREAMS = flags.DEFINE_list("streams", ["1", "2", "4", "8"], "concurrent stream counts")
+_STREAMS = flags.DEFINE_list("streams", ["1", "2", "4", "8", "16"], "concurrent stream counts")
 _SLOTS = flags.DEFINE_integer("slots", 0, "engine slots (0: as many as streams)")
-_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 16, "prompt tokens per stream")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "prompt tokens per stream")
+_SHARED = flags.DEFINE_integer("shared_prefix", 48, "leading prompt tokens common to every stream")
 _MAX_NEW = flags.DEFINE_integer("max_new", 64, "tokens generated per stream")
+_MTP = flags.DEFINE_enum("mtp", "off", ["off", "on", "both"], "MTP speculative decoding (needs the MTP block)")
+_PREFIX = flags.DEFINE_enum("prefix_cache", "off", ["off", "on", "both"], "the engine's prefix cache")
+_PREFIX_MB = flags.DEFINE_integer("prefix_cache_mb", 256, "prefix cache budget when on (MiB)")
+_EXPERTS = flags.DEFINE_bool("distinct_experts", True, "replay the routing: distinct experts per decode step")
 _OUT = flags.DEFINE_string("out", None, "write the rows as JSON here")
-
-
-def _pct(xs, q) -> float:
-    return float(np.percentile(xs, q)) * 1000 if len(xs) else float("nan")
-
-
-def bench(model, vocab: int, n: int, slots: int, prompt_len: int, max_new: int) -> dict:
-    eng = E.Engine(model, slots=slots, max_len=prompt_len + max_new + 1, buckets=(1, 16), eos_ids=())
-    eng.warmup()
-    E.generate(eng, [E.Request([1] * prompt_len, max_tokens=2)])  # one untimed request
-    times: dict[str, list[float]] = {}
-    reqs = [E.Request([(7 * i + j) % vocab for j in range(prompt_len)], max_tokens=max_new) for i in range(n)]
-    steps0 = eng.stats["steps"]
-    t0 = time.perf_counter()
-    for r in reqs:
-        eng.submit(r, lambda ev: times.setdefault(ev.request_id, []).append(time.perf_counter()))
-    eng.run_until_idle()
-    dt = time.perf_counter() - t0
-    ttft = [ts[0] - t0 for ts in times.values()]
-    itl = [b - a for ts in times.values() for a, b in zip(ts, ts[1:])]
-    total = sum(len(ts) for ts in times.values())
-    return {"streams": n, "slots": slots, "tokens": total, "seconds": dt, "total_tok_s": total / dt,
-            "per_stream_tok_s": total / dt / n, "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99),
-            "itl_p50_ms": _pct(itl, 50), "itl_p99_ms": _pct(itl, 99), "decode_steps": eng.stats["steps"] - steps0}  # fmt: skip
-
-
+_PNG = flags.DEFINE_string("png", None, "plot the rows here (matplotlib)")
+_CACHE = flags.DEFINE_string("compilation_cache", "", "JAX persistent compilation cache folder ('' = off)")
 _MOE_IMPL = cli.define_moe_impl_flag()
+
+
+def _settings(flag: str) -> list[bool]:
+    return {"off": [False], "on": [True], "both": [False, True]}[flag]
 
 
 def main(argv):
@@ -70,34 +57,65 @@ def main(argv):
         ("streams", min(streams, default=0)),
         ("prompt_len", _PROMPT_LEN.value),
         ("max_new", _MAX_NEW.value),
+        ("prefix_cache_mb", _PREFIX_MB.value),
     ):
         if v < 1:
             raise app.UsageError(f"--{name}: must be >= 1")
+    if not 0 <= _SHARED.value < _PROMPT_LEN.value:
+        raise app.UsageError(f"--shared_prefix={_SHARED.value}: must be in [0, --prompt_len)")
     if _SLOTS.value and _SLOTS.value < max(streams):
         raise app.UsageError(f"--slots={_SLOTS.value}: fewer than the {max(streams)} streams")
+    if _CACHE.value:
+        jax.config.update("jax_compilation_cache_dir", _CACHE.value)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    mtp_settings = _settings(_MTP.value)
+    with_mtp = True in mtp_settings
     weights, label = assets.resolve(_WEIGHTS.value, _CONFIG.value)
+    kernels = {"moe": _MOE_IMPL.value}
     if weights is None:
         cfg = model_config_from_dict(_CONFIG.value.model)
-        model = build.random_model(
-            cfg, seed=_CONFIG.value.seed, with_mtp=False, kernels={"moe": _MOE_IMPL.value}
-        )
+        model = build.random_model(cfg, seed=_CONFIG.value.seed, with_mtp=with_mtp, kernels=kernels)
     else:
-        cfg, model = build.load_model(weights, with_mtp=False, kernels={"moe": _MOE_IMPL.value})
+        cfg, model = build.load_model(weights, with_mtp=with_mtp, kernels=kernels)
+    if with_mtp and model.mtp is None:
+        raise app.UsageError("--mtp: this model has no MTP block")
     print(label or weights or f"config {cli.config_name('config')} (random weights)", flush=True)
-    rows = []
+    rows, traces = [], []
     for n in streams:
-        row = bench(model, cfg.vocab_size, n, _SLOTS.value or n, _PROMPT_LEN.value, _MAX_NEW.value)
-        rows.append(row)
-        print(f"{n:3d} streams, {row['slots']} slots: {row['total_tok_s']:8.1f} tok/s total, "
-              f"{row['per_stream_tok_s']:7.1f} per stream; TTFT p50 {row['ttft_p50_ms']:.0f} / p99 "
-              f"{row['ttft_p99_ms']:.0f} ms; ITL p50 {row['itl_p50_ms']:.1f} / p99 {row['itl_p99_ms']:.1f} ms; "
-              f"{row['decode_steps']} steps", flush=True)  # fmt: skip
-    one = next((r for r in rows if r["streams"] == 1), None)
-    if one and len(rows) > 1:
-        print(f"{rows[-1]['streams']} streams: {rows[-1]['total_tok_s'] / one['total_tok_s']:.2f}x the total "
-              f"tokens/s of 1 stream")  # fmt: skip
+        for mtp in mtp_settings:
+            for prefix in _settings(_PREFIX.value):
+                kw = {"speculative": True} if mtp else {}
+                if prefix:
+                    kw["prefix_cache_bytes"] = _PREFIX_MB.value << 20
+                row, trace = S.run_streams(model, cfg.vocab_size, n, slots=_SLOTS.value or n,
+                                           prompt_len=_PROMPT_LEN.value, max_new=_MAX_NEW.value,
+                                           shared=_SHARED.value, engine_kwargs=kw)  # fmt: skip
+                row.update(mtp=mtp, prefix_cache=prefix)
+                rows.append(row)
+                if not mtp:
+                    traces.append((row, trace))
+                extra = "".join(f"; {k} {row[k]:.2f}" if isinstance(row[k], float) else f"; {k} {row[k]}"
+                                for k in ("decode_step_ms", "prefix_hit_tokens", "mtp_acceptance") if k in row)  # fmt: skip
+                print(f"{n:3d} streams, {S.setting(row)}: {row['total_tok_s']:8.1f} tok/s total, "
+                      f"{row['per_stream_tok_s']:7.1f} per stream; TTFT p50 {row['ttft_p50_ms']:.0f} / p99 "
+                      f"{row['ttft_p99_ms']:.0f} ms; ITL p50 {row['itl_p50_ms']:.1f} / p99 {row['itl_p99_ms']:.1f} ms; "
+                      f"{row['decode_steps']} steps{extra}", flush=True)  # fmt: skip
+    if _EXPERTS.value:  # after the timed runs: instrumenting the routers changes nothing they compute
+        for row, trace in traces:
+            row.update(S.distinct_experts(model, trace) or {})
+            if "distinct_experts_per_layer_step" in row:
+                print(f"{row['streams']:3d} streams: {row['distinct_experts_per_layer_step']:.1f} distinct experts "
+                      f"per MoE layer per step ({row['pairs_per_layer_step']:.0f} (token, expert) pairs)"
+                      + (f", {row['decode_step_ms']:.2f} ms per step" if "decode_step_ms" in row else ""))  # fmt: skip
+    base = [r for r in rows if not r["mtp"] and not r["prefix_cache"]] or rows
+    one = next((r for r in base if r["streams"] == 1), None)
+    if one and len(base) > 1:
+        print(f"{base[-1]['streams']} streams: {base[-1]['total_tok_s'] / one['total_tok_s']:.2f}x the total "
+              f"tokens/s of 1 stream ({S.setting(base[-1])})")  # fmt: skip
     if _OUT.value:
         files.write_json(_OUT.value, {"model": label or weights, "rows": rows})
+    if _PNG.value:
+        S.plot(rows, _PNG.value)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from glm53.config import model_config_from_dict
 
 CFG = model_config_from_dict(tiny.get_config("parity").model)  # 8 layers, DSA at 3 and 7, topk 8 = 2 pools
 T_LONG = 150  # crosses the KDA chunk boundaries at 64 and 128; 37 pools >> 2 selected
+GEN_LEN = 53  # the cache length of the generation tests (20 prompt tokens + 32 new + 1)
 
 
 def rel(a, b) -> float:
@@ -34,8 +35,10 @@ def pair(request, tmp_path_factory):
     return dict(hf=hf, folder=folder, cfg=cfg, gen=gen, ids=ids, ref=hf_logits(hf, ids).numpy()[0])
 
 
+# Every cache below holds T_LONG positions (and generation runs share one length), so that tests of one seed share
+# compiled programs: the shapes of a step are (tokens [B, T], cache [B, T_LONG]); compiling dominates this file.
 def one_shot(gen, ids):
-    cache = gen.init_cache(ids.shape[0], ids.shape[1])
+    cache = gen.init_cache(ids.shape[0], T_LONG)
     _, logits, _ = gen.forward(cache, ids)
     return np.asarray(logits)
 
@@ -65,7 +68,7 @@ def test_dense_attention_does_not_match(pair):
 def test_prefill_then_decode_equals_prefill(pair):
     gen, ids, ref = pair["gen"], pair["ids"], pair["ref"]
     t = 100
-    cache = gen.init_cache(1, t)
+    cache = gen.init_cache(1, T_LONG)
     _, lg_a, cache = gen.forward(cache, ids[:, : t - 1])
     _, lg_b, cache = gen.forward(cache, ids[:, t - 1 : t])
     full = one_shot(gen, ids[:, :t])[0]
@@ -87,19 +90,19 @@ def test_piecewise_prefill_equals_one_shot(pair):
 def test_streams_at_different_positions_equal_each_alone(pair):
     """Two streams with different prompt lengths, prefilled into one cache and decoded together."""
     gen, ids = pair["gen"], pair["ids"]
-    p0, p1 = ids[0, :45], ids[0, 60:131]
-    cache = gen.init_cache(2, 160)
+    p0, p1 = ids[0, :145], ids[0, 40:135]  # + 5 steps: one-shot lengths 150 and 100, compiled by earlier tests
+    cache = gen.init_cache(2, T_LONG)
     _, _, cache = gen.prefill(cache, p0, stream=0)
     _, _, cache = gen.prefill(cache, p1, stream=1)
-    assert list(np.asarray(cache.length)) == [45, 71]
-    steps = ids[0, 131:136]
+    assert list(np.asarray(cache.length)) == [145, 95]
+    steps = ids[0, 135:140]
     outs = []
     for s in steps:
         _, lg, cache = gen.forward(cache, np.asarray([[s], [s]]))
         outs.append(np.asarray(lg)[:, 0])
     outs = np.stack(outs, 1)  # [2, 5, V]
-    alone0 = one_shot(gen, np.concatenate([p0, steps])[None])[0, 45:]
-    alone1 = one_shot(gen, np.concatenate([p1, steps])[None])[0, 71:]
+    alone0 = one_shot(gen, np.concatenate([p0, steps])[None])[0, 145:]
+    alone1 = one_shot(gen, np.concatenate([p1, steps])[None])[0, 95:]
     assert rel(outs[0], alone0) <= 1e-5
     assert rel(outs[1], alone1) <= 1e-5
 
@@ -114,7 +117,7 @@ def test_greedy_generation_matches_transformers_generate(pair):
             x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False, pad_token_id=0
         )
     ref = out[0, len(prompt) :].tolist()
-    res = gen.generate([list(prompt)], generate.SamplingParams(max_new=32))
+    res = gen.generate([list(prompt)], generate.SamplingParams(max_new=32), max_len=GEN_LEN)
     print("greedy:", res.tokens[0])
     assert len(ref) == 32 and res.tokens[0] == ref
 
@@ -122,7 +125,7 @@ def test_greedy_generation_matches_transformers_generate(pair):
 def test_eos_stops_generation(pair):
     gen = pair["gen"]
     prompt = list(pair["ids"][0, :20])
-    free = gen.generate([prompt], generate.SamplingParams(max_new=12)).tokens[0]
+    free = gen.generate([prompt], generate.SamplingParams(max_new=12), max_len=GEN_LEN).tokens[0]
     eos = free[5]
-    stopped = gen.generate([prompt], generate.SamplingParams(max_new=12, eos_ids=(eos,))).tokens[0]
+    stopped = gen.generate([prompt], generate.SamplingParams(max_new=12, eos_ids=(eos,)), max_len=GEN_LEN).tokens[0]
     assert stopped == free[: free.index(eos) + 1]

@@ -1,0 +1,166 @@
+"""The serving benchmark (experiments.bench_serve): the continuous-batching engine under N concurrent streams.
+
+One run (`run_streams`): an engine of `slots` slots is built and warmed, one untimed request runs, then N greedy
+requests (prompts of `prompt_len` tokens: a `shared` prefix common to all, e.g. a system prompt, then a tail of
+their own; `max_new` tokens each, no EOS) are submitted at once and run to completion in this thread. Measured:
+total and per-stream tokens/s, time to first token (from submission) and inter-token latency (p50 / p99), the
+decode steps and their mean wall time, the prefix cache's saved prefill and MTP's acceptance when enabled.
+
+Cost against distinct experts: the engine's decode step touches, per MoE layer, the union of the experts its
+active slots are routed to. `distinct_experts` replays each stream's tokens through the model with recording
+routers (glm53.train.routing) and, for every decode step, counts that union per layer (the step's (slot,
+position) pairs are known from when each token came out). The prior art's decode costs one expert matvec per
+(token, expert) pair; ours follows the distinct experts, so the step time should grow with them, not with N x K.
+The replay's routing is the full-sequence forward's, which equals decoding's up to float rounding (a near tie
+between two experts may differ).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from glm53.files import atomic_write
+from glm53.serving import engine as E
+from glm53.train import routing
+
+
+def _pct(xs, q) -> float | None:
+    return float(np.percentile(xs, q)) * 1000 if len(xs) else None
+
+
+def prompts(n: int, prompt_len: int, shared: int, vocab: int) -> list[list[int]]:
+    """n prompts of prompt_len tokens: the first `shared` tokens common to all, the rest different per prompt."""
+    head = [(11 * j + 3) % vocab for j in range(shared)]
+    return [head + [(7 * i + j + 1) % vocab for j in range(prompt_len - shared)] for i in range(n)]
+
+
+def run_streams(model, vocab: int, n: int, *, slots: int, prompt_len: int, max_new: int, shared: int = 0,
+                engine_kwargs: dict | None = None) -> tuple[dict, dict]:  # fmt: skip
+    """(row, trace): the row of measurements; trace = {request id: (prompt, generated, [step of each token])}."""
+    eng = E.Engine(model, slots=slots, max_len=prompt_len + max_new + 2, buckets=(1, 16), eos_ids=(),
+                   **(engine_kwargs or {}))  # fmt: skip
+    eng.warmup()
+    E.generate(eng, [E.Request([1] * 3, max_tokens=2)])  # one untimed request (shares nothing with the prompts)
+    stats0 = dict(eng.stats)
+    times: dict[str, list[float]] = defaultdict(list)
+    steps: dict[str, list[int]] = defaultdict(list)
+    toks: dict[str, list[int]] = defaultdict(list)
+
+    def sink(ev: E.Event) -> None:
+        now = time.perf_counter()
+        for t in ev.token_ids:
+            times[ev.request_id].append(now)
+            steps[ev.request_id].append(eng.stats["steps"])
+            toks[ev.request_id].append(t)
+
+    ps = prompts(n, prompt_len, shared, vocab)
+    reqs = [E.Request(p, max_tokens=max_new) for p in ps]
+    t0 = time.perf_counter()
+    for r in reqs:
+        eng.submit(r, sink)
+    eng.run_until_idle()
+    dt = time.perf_counter() - t0
+    d = {k: eng.stats[k] - stats0.get(k, 0) for k in eng.stats}
+    ttft = [ts[0] - t0 for ts in times.values()]
+    itl = [b - a for ts in times.values() for a, b in zip(ts, ts[1:])]
+    total = sum(len(ts) for ts in times.values())
+    row = {"streams": n, "slots": slots, "prompt_len": prompt_len, "shared_prefix": shared, "max_new": max_new,
+           "tokens": total, "seconds": dt, "total_tok_s": total / dt, "per_stream_tok_s": total / dt / n,
+           "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99), "itl_p50_ms": _pct(itl, 50),
+           "itl_p99_ms": _pct(itl, 99), "decode_steps": d.get("steps", 0),
+           "prefill_tokens": d.get("prefill_tokens", 0)}  # fmt: skip
+    if d.get("decode_us"):
+        row["decode_step_ms"] = d["decode_us"] / 1000 / max(d.get("steps", 1), 1)
+    for key in ("prefix_hit_tokens", "prefix_hits", "prefix_lookups", "mtp_drafted", "mtp_accepted"):
+        if key in eng.stats:
+            row[key] = d.get(key, 0)
+    if row.get("mtp_drafted"):
+        row["mtp_acceptance"] = row["mtp_accepted"] / row["mtp_drafted"]
+    trace = {r.id: (r.prompt, toks[r.id], steps[r.id]) for r in reqs}
+    return row, trace
+
+
+def distinct_experts(model, trace: dict) -> dict | None:
+    """Mean distinct experts per MoE layer per decode step, and (token, expert) pairs per layer per step, from
+    the replayed routing (module docstring); None for a model without routed experts."""
+    names = routing.instrument_routers(model)  # in place; routes exactly as before
+    names = [n for n in names if not n.startswith("mtp")]
+    if not names:
+        return None
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def route(state, tokens):
+        m = nnx.merge(graphdef, state)
+        with routing.record_routing() as rec:
+            m.hidden(tokens)
+        return {k: rec[k][0] for k in names}
+
+    per_step: dict[int, list[np.ndarray]] = defaultdict(list)  # step -> the fed positions' ids [layers, K]
+    for prompt, gen, steps in trace.values():
+        if len(gen) < 2:
+            continue
+        fed = jnp.asarray([prompt + gen[:-1]], jnp.int32)
+        ids = np.stack([np.asarray(v) for v in route(state, fed).values()])  # [layers, T, K]
+        for j in range(1, len(gen)):  # token j came out of decode step steps[j], which fed gen[j - 1]
+            per_step[steps[j]].append(ids[:, len(prompt) + j - 1])
+    if not per_step:
+        return None
+    distinct, pairs = [], []
+    for fed in per_step.values():
+        a = np.stack(fed, axis=1)  # [layers, slots active, K]
+        distinct.append(np.mean([len(np.unique(layer)) for layer in a]))
+        pairs.append(a.shape[1] * a.shape[2])
+    return {"distinct_experts_per_layer_step": float(np.mean(distinct)), "pairs_per_layer_step": float(np.mean(pairs)),
+            "routed_layers": len(names)}  # fmt: skip
+
+
+def plot(rows: list[dict], png_path: str | os.PathLike, *, log: Callable = print) -> bool:
+    """Total and per-stream tokens/s against streams (one line per MTP / prefix-cache setting), and the decode
+    step's time against the distinct experts it touched; False (one log line) without matplotlib."""
+    if importlib.util.find_spec("matplotlib") is None:
+        log(f"matplotlib is not installed (pip install glm53[plot]): no PNG {png_path}")
+        return False
+    # optional dependency (the `plot` extra): imported only when a PNG is wanted; Figure needs no GUI backend
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4), dpi=100)
+    ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[setting(r)].append(r)
+    for name, rs in groups.items():
+        rs = sorted(rs, key=lambda r: r["streams"])
+        x = [r["streams"] for r in rs]
+        ax1.plot(x, [r["total_tok_s"] for r in rs], "o-", label=f"total, {name}")
+        ax1.plot(x, [r["per_stream_tok_s"] for r in rs], "x:", label=f"per stream, {name}")
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("concurrent streams")
+    ax1.set_ylabel("tokens / s")
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=7)
+    pts = [r for r in rows if r.get("distinct_experts_per_layer_step") and r.get("decode_step_ms")]
+    if pts:
+        ax2.plot([r["distinct_experts_per_layer_step"] for r in pts], [r["decode_step_ms"] for r in pts], "o")
+        for r in pts:
+            ax2.annotate(f"{r['streams']}", (r["distinct_experts_per_layer_step"], r["decode_step_ms"]), fontsize=7)
+    ax2.set_xlabel("distinct experts per MoE layer per step")
+    ax2.set_ylabel("decode step (ms)")
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    with atomic_write(png_path, "wb") as f:
+        fig.savefig(f, format="png")
+    return True
+
+
+def setting(row: dict) -> str:
+    return f"MTP {'on' if row.get('mtp') else 'off'}, prefix cache {'on' if row.get('prefix_cache') else 'off'}"
