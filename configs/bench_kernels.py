@@ -10,7 +10,8 @@ Sets:
 Override fields from the command line, e.g. ``--config.layouts=planes --config.repeats=10``.
 
 Fields: experts (a QuantConfig `experts` spec; "ud_iq3_xxs" means its common layer: IQ2_S gate/up, IQ3_S down),
-layouts, impls ("reference", "dequant_all", "xla_quant", "pallas_tpu"; pallas_tpu runs only on a TPU backend),
+layouts, impls ("reference", "dequant_all", "xla_quant", "pallas_tpu", "pallas_gpu"; pallas_tpu runs only on a TPU
+backend, pallas_gpu only on a GPU one),
 streams (decode tokens), prefill_tokens, reference_max_slots (skip the reference above this many routed slots:
 on CPU/GPU its ragged_dot runs every expert on every slot), experts_per_step and tile_rows (xla_quant),
 warmup / repeats (median of repeats), dtype (activations), seed.
@@ -21,7 +22,7 @@ import ml_collections
 _COMMON = dict(
     experts="ud_iq3_xxs",
     layouts="planes,reencoded",
-    impls="reference,dequant_all,xla_quant,pallas_tpu",
+    impls="reference,dequant_all,xla_quant,pallas_tpu,pallas_gpu",
     experts_per_step=8,
     tile_rows=128,
     warmup=1,

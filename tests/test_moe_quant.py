@@ -258,8 +258,8 @@ def test_dispatch_rule():
     sel = api.select_implementation
     assert sel("auto", 64, 64, "cpu") == "xla_cpu_decode"
     assert sel("auto", 65, 64, "cpu") == "xla_cpu_prefill"
-    assert sel("auto", 64, 64, "gpu") == "xla_quant_decode"
-    assert sel("auto", 65, 64, "gpu") == "xla_quant_prefill"
+    assert sel("auto", 64, 64, "gpu") == "pallas_gpu_decode"
+    assert sel("auto", 65, 64, "gpu") == "pallas_gpu_prefill"
     assert sel("auto", 8, 64, "tpu") == "pallas_tpu_decode"
     assert sel("auto", 4096, 512, "tpu") == "pallas_tpu_prefill"
     assert sel("xla_quant", 3, 2) == "xla_quant_prefill"

@@ -15,11 +15,15 @@ token per stream; "prefill": many tokens), layout, implementation and token coun
   ratio_vs_copy          copy median / this median = fraction of the bandwidth of a jitted device copy of
                          weight_bytes bytes (read + write of a uint32 array) achieved by this implementation
 
+  tflop_per_s            2 x slots x 3 D F / median_s / 1e12: the routed experts' matmul FLOPs per second (the
+                         prefill figure; padding and skipped slots not counted)
+
 Implementations: "reference" (api reference: dequantize every expert, sort + ragged_dot), "dequant_all"
 (one program dequantizes every expert into HBM, a second runs xla_quant's matmuls on those dense weights: the
 "dequantize everything then matmul" baseline; in a single program XLA would fuse the expert gather into the
-dequantization), "xla_quant" (decode / prefill form by op) and "pallas_tpu" (TPU backend only; interpret-mode
-timings mean nothing, so elsewhere it is skipped with a note). Routing is uniform: each token picks top_k distinct
+dequantization), "xla_quant" (decode / prefill form by op), "pallas_tpu" (TPU backend only; interpret-mode
+timings mean nothing, so elsewhere it is skipped with a note) and "pallas_gpu" (the Mosaic GPU kernels; GPU
+backend only, likewise). Routing is uniform: each token picks top_k distinct
 experts at random (seeded), as the U(N) formula assumes.
 """
 
@@ -40,7 +44,8 @@ from glm53.quant.mixes import MATRICES, parse_mix
 from glm53.quant.qweight import QuantizedExperts
 from kernels.moe import api, xla_quant
 
-IMPLS = ("reference", "dequant_all", "xla_quant", "pallas_tpu")
+IMPLS = ("reference", "dequant_all", "xla_quant", "pallas_tpu", "pallas_gpu")
+_PALLAS_BACKEND = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}  # the backend each Pallas implementation needs
 LIMIT = 10.0
 
 
@@ -159,8 +164,8 @@ def _impl_fn(impl: str, op: str, s: Settings) -> Callable:
             lambda g, u, d, dtype: tuple(q.dequantize(dtype) for q in (g, u, d)), static_argnums=3
         )
         return lambda x, ids, w, g, u, d: inner(x, ids, w, *dequant_all(g, u, d, x.dtype))
-    elif impl == "pallas_tpu":
-        run = functools.partial(api.moe_experts, implementation=f"pallas_tpu_{op}")
+    elif impl in _PALLAS_BACKEND:
+        run = functools.partial(api.moe_experts, implementation=f"{impl}_{op}")
     else:  # pragma: no cover - Settings validates
         raise ValueError(impl)
     return jax.jit(lambda x, ids, w, g, u, d: run(x, ids, w, g, u, d, LIMIT))
@@ -182,9 +187,10 @@ def run_benchmark(settings: Settings, log: Callable[[str], None] = print) -> dic
     dtype = jnp.dtype(s.dtype)
     notes = []
     impls = list(s.impls)
-    if "pallas_tpu" in impls and backend != "tpu":
-        impls.remove("pallas_tpu")
-        notes.append(f"pallas_tpu skipped: backend is {backend}; interpret-mode timings are meaningless")
+    for impl, needs in _PALLAS_BACKEND.items():
+        if impl in impls and backend != needs:
+            impls.remove(impl)
+            notes.append(f"{impl} skipped: backend is {backend}; interpret-mode timings are meaningless")
     records = []
     key = jax.random.key(s.seed)
     for layout in s.layouts:
@@ -231,10 +237,12 @@ def run_benchmark(settings: Settings, log: Callable[[str], None] = print) -> dic
                         "distinct_experts_expected": expected_distinct(s.n_experts, s.top_k, tokens),
                         "copy_median_s": copy.median_s, "copy_gb_per_s": u * per_expert / copy.median_s / 1e9,
                         "ratio_vs_copy": harness.speedup(copy, t),
+                        "tflop_per_s": 2 * int(np.sum(ids < s.n_experts)) * 3 * s.d_model * s.d_ff / t.median_s / 1e12,
                     }  # fmt: skip
                     group.append(rec)
                     log(f"{layout:9s} {op:7s} T={tokens:<5d} U={u:<4d} {impl:12s} {t.median_s * 1e3:10.3f} ms  "
-                        f"{rec['gb_per_s']:8.3f} GB/s  copy {rec['ratio_vs_copy']:6.3f}")  # fmt: skip
+                        f"{rec['gb_per_s']:8.3f} GB/s  copy {rec['ratio_vs_copy']:6.3f}  "
+                        f"{rec['tflop_per_s']:7.2f} TFLOP/s")  # fmt: skip
                 for rec in group:
                     for base in ("reference", "dequant_all"):
                         rec[f"ratio_vs_{base}"] = (

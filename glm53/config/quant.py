@@ -13,7 +13,7 @@ from glm53.quant.mixes import LAYOUTS, MATRICES, ExpertMix, parse_mix
 MOE_IMPLEMENTATIONS = (
     "auto", "reference", "dense_einsum", "blocked", "xla_quant", "xla_quant_decode", "xla_quant_prefill",
     "xla_cpu", "xla_cpu_decode", "xla_cpu_prefill",
-    "pallas_tpu", "pallas_tpu_decode", "pallas_tpu_prefill",
+    "pallas_tpu", "pallas_tpu_decode", "pallas_tpu_prefill", "pallas_gpu", "pallas_gpu_decode", "pallas_gpu_prefill",
 )  # fmt: skip
 
 

@@ -20,10 +20,18 @@ of those kernel shapes (any mix). Implementations:
                       kernels.moe.pallas_tpu_prefill); pallas_tpu_decode / pallas_tpu_prefill force one. Lowered
                       for TPU the kernels compile with Mosaic (a kernel Mosaic rejects fails the compile); lowered
                       for any other platform they run in interpret mode (correct, slow).
-  auto                by backend (`jax.default_backend()`): tpu -> pallas_tpu, gpu -> xla_quant, cpu ->
+  pallas_gpu          Pallas Mosaic GPU kernels on QuantizedExperts in the formats they decode
+                      (kernels.moe.pallas_gpu: IQ4_XS, Q4_K, Q8_0, IQ2_S_R, IQ3_S_R, BF16, F16, F32): decode
+                      (grid over distinct experts x token groups, kernels.moe.pallas_gpu_decode) or prefill (row
+                      tiles of slots sorted by expert, kernels.moe.pallas_gpu_prefill); pallas_gpu_decode /
+                      pallas_gpu_prefill force one (bf16 prefill on the tensor cores where
+                      kernels.moe.pallas_gpu_wgmma decodes the formats). Lowered for CUDA they are Mosaic
+                      GPU kernels; lowered for any other platform they run in Pallas' interpreters (correct,
+                      slow).
+  auto                by backend (`jax.default_backend()`): tpu -> pallas_tpu, gpu -> pallas_gpu, cpu ->
                       xla_cpu, any other -> reference.
 
-xla_quant, xla_cpu, pallas_tpu and auto take their decode form when the routed slots T*K <= decode_max_slots, else
+xla_quant, xla_cpu, pallas_tpu, pallas_gpu and auto take their decode form when the routed slots T*K <= decode_max_slots, else
 their prefill form (`select_implementation`, the one decode / prefill rule). A named implementation that
 cannot take the inputs (a format, layout or weight type its kernels do not handle) raises NotImplementedError;
 only "auto" falls back to "reference" then, logging the reason once (`kernels.dispatch`).
@@ -36,7 +44,17 @@ import jax.numpy as jnp
 
 from glm53.quant.qweight import QuantizedExperts
 from kernels import dispatch
-from kernels.moe import blocked, pallas_tpu_decode, pallas_tpu_prefill, reference, xla_cpu, xla_quant
+from kernels.moe import (
+    blocked,
+    pallas_gpu,
+    pallas_gpu_decode,
+    pallas_gpu_prefill,
+    pallas_tpu_decode,
+    pallas_tpu_prefill,
+    reference,
+    xla_cpu,
+    xla_quant,
+)
 from kernels.moe.reference import clamped_swiglu
 
 __all__ = [
@@ -77,6 +95,34 @@ def _pallas_tpu(mode: str):
     return run
 
 
+def _pallas_gpu(mode: str):
+    """The Pallas GPU decode / prefill entry on the planes of QuantizedExperts: Mosaic GPU kernels where the
+    program is lowered for CUDA, Pallas' interpreter for any other platform (`jax.lax.platform_dependent`)."""
+
+    def run(x_td, topk_ids_tk, topk_w_tk, w_gate, w_up, w_down, swiglu_limit):
+        ws = (w_gate, w_up, w_down)
+        if not all(isinstance(w, QuantizedExperts) for w in ws):
+            kinds = [type(w).__name__ for w in ws]
+            raise NotImplementedError(
+                f"the Pallas GPU kernels need QuantizedExperts for gate/up/down, got {kinds}"
+            )
+        planes = [w.planes for w in ws]
+        pallas_gpu.check_supported(*planes)  # NotImplementedError before tracing either branch
+        fn = pallas_gpu_decode.moe_decode if mode == "decode" else pallas_gpu_prefill.moe_prefill
+
+        def kernels(interpret):
+            # interpreted, the CUDA-core kernels only: the tensor-core kernel's interpreter (the Mosaic GPU one)
+            # has ordered effects, which a platform_dependent branch may not have
+            return lambda *args: fn(
+                *args, swiglu_limit=swiglu_limit, tensor_cores=not interpret, interpret=interpret
+            )
+
+        args = (x_td, topk_ids_tk, topk_w_tk, *planes)
+        return jax.lax.platform_dependent(*args, cuda=kernels(False), default=kernels(True))
+
+    return run
+
+
 _IMPLEMENTATIONS = {
     "reference": reference.moe_experts,
     "dense_einsum": reference.moe_experts_dense,
@@ -87,9 +133,12 @@ _IMPLEMENTATIONS = {
     "xla_cpu_prefill": xla_cpu.moe_experts_prefill,
     "pallas_tpu_decode": _pallas_tpu("decode"),
     "pallas_tpu_prefill": _pallas_tpu("prefill"),
+    "pallas_gpu_decode": _pallas_gpu("decode"),
+    "pallas_gpu_prefill": _pallas_gpu("prefill"),
 }
-_BY_SLOTS = ("xla_quant", "xla_cpu", "pallas_tpu")  # pick <name>_decode / <name>_prefill by routed slots
-_AUTO = {"tpu": "pallas_tpu", "gpu": "xla_quant", "cpu": "xla_cpu"}  # backend -> what "auto" runs
+# pick <name>_decode / <name>_prefill by routed slots
+_BY_SLOTS = ("xla_quant", "xla_cpu", "pallas_tpu", "pallas_gpu")
+_AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cpu": "xla_cpu"}  # backend -> what "auto" runs
 IMPLEMENTATIONS = (dispatch.AUTO, *_BY_SLOTS, *_IMPLEMENTATIONS)
 
 
@@ -102,7 +151,7 @@ def select_implementation(
     """The concrete implementation `moe_experts` runs for `implementation` and T*K = `n_slots` routed slots.
 
     "auto": by `backend` (default `jax.default_backend()`, see the module docstring); xla_quant / xla_cpu /
-    pallas_tpu then take their decode form when n_slots <= decode_max_slots, else their prefill form. Unknown names raise
+    pallas_tpu / pallas_gpu then take their decode form when n_slots <= decode_max_slots, else their prefill form. Unknown names raise
     ValueError.
     """
     name = dispatch.resolve("moe_experts", implementation, IMPLEMENTATIONS, _AUTO, backend)
@@ -133,7 +182,8 @@ def moe_experts(
         shapes (only ``.shape`` is read outside the matmuls).
       swiglu_limit: the SwiGLU clamp L (gate: min(a, L); up: clip(b, -L, L)).
       implementation: one of IMPLEMENTATIONS (module docstring).
-      decode_max_slots: T*K up to which "auto" / "xla_quant" / "xla_cpu" / "pallas_tpu" take their decode form.
+      decode_max_slots: T*K up to which "auto" / "xla_quant" / "xla_cpu" / "pallas_tpu" / "pallas_gpu" take their
+        decode form.
     Returns:
       [T, D] in x's dtype.
     """
