@@ -126,10 +126,11 @@ class Glm53Model(nnx.Module):
         h, cache = self.hidden(tokens_bt, cache=cache)
         return self.logits(h), cache
 
-    def mtp_logits(self, h_btd: jnp.ndarray, next_tokens_bt: jnp.ndarray, *, cache: Cache):
+    def mtp_logits(self, h_btd: jnp.ndarray, next_tokens_bt: jnp.ndarray, *, cache: Cache, last_only=False):
         """MTP draft: logits for the token after `next_tokens` from the trunk's hidden states `h` at the same
         positions (h at position p, next_tokens = token p+1 -> logits for token p+2). Uses and updates
         cache.mtp at positions cache.length - T .. cache.length - 1 (call after the trunk consumed those positions).
+        last_only: the logits [B, 1, V] of the last position only.
         """
         if self.mtp is None:
             raise ValueError("this model was built without the MTP block")
@@ -137,7 +138,7 @@ class Glm53Model(nnx.Module):
         start_b = cache.length - t
         e = self.embed(next_tokens_bt)
         x, mtp_cache = self.mtp(h_btd, e, cache=cache.mtp, start_b=start_b)
-        return self.logits(x), cache.replace(mtp=mtp_cache)
+        return self.logits(x[:, -1:] if last_only else x), cache.replace(mtp=mtp_cache)
 
 
 def count_params(model: nnx.Module) -> int:

@@ -33,10 +33,14 @@ class KDACache:
 
     conv_state [B, K-1, 3*H*d]: the last K-1 pre-conv projected inputs, channels q | k | v (activation dtype).
     state      [B, H, dk, dv]:  the recurrent state, float32.
+    after_first: speculative decoding's rollback point. When the input cache carries it (any pair of arrays, e.g.
+      its own (conv_state, state)), the layer feeds the T tokens one at a time (recurrent kernel) and returns
+      here the (conv_state, state) after the FIRST of them; None otherwise (what a stored cache holds).
     """
 
     conv_state: jnp.ndarray
     state: jnp.ndarray
+    after_first: tuple[jnp.ndarray, jnp.ndarray] | None = None
 
     @classmethod
     def init_cache(cls, cfg: ModelConfig, batch: int, max_len: int = 0, dtype=jnp.float32) -> KDACache:
@@ -146,20 +150,32 @@ class KDA(nnx.Module):
             state = jnp.where(live[:, None, None, None], state, 0.0)
 
         cq, ck, cv = jnp.split(conv_state, 3, axis=-1)  # [B, K-1, HD] each
-        q, cq = self.q_conv(self.q_proj(x_btd), cq)
-        k, ck = self.k_conv(self.k_proj(x_btd), ck)
-        v, cv = self.v_conv(self.v_proj(x_btd), cv)
+        qp, kp, vp = self.q_proj(x_btd), self.k_proj(x_btd), self.v_proj(x_btd)
+        q, cq = self.q_conv(qp, cq)
+        k, ck = self.k_conv(kp, ck)
+        v, cv = self.v_conv(vp, cv)
         q = l2_normalize(q.reshape(B, T, H, d))
         k = l2_normalize(k.reshape(B, T, H, d))
         v = v.reshape(B, T, H, d)
         g = self.forget_gate(x_btd)
         beta = jax.nn.sigmoid(self.b_proj(x_btd).astype(jnp.float32))  # [B, T, H]
 
-        kw = dict(scale=d**-0.5, initial_state=state, implementation=self.implementation)
-        if T == 1:
-            o, new_state = kda_api.recurrent_kda(q, k, v, g, beta, **kw)
+        kw = dict(scale=d**-0.5, implementation=self.implementation)
+        first = None
+        if cache.after_first is not None:  # token 0, then the rest: keep the state between them
+            x0 = jnp.concatenate([qp[:, :1], kp[:, :1], vp[:, :1]], axis=-1).astype(conv_state.dtype)
+            conv_1 = jnp.concatenate([conv_state, x0], axis=1)[:, 1:]
+            outs, s = [], state
+            for i in range(T):
+                qi, ki, vi, gi, bi = (a[:, i : i + 1] for a in (q, k, v, g, beta))
+                o_i, s = kda_api.recurrent_kda(qi, ki, vi, gi, bi, initial_state=s, **kw)
+                outs.append(o_i)
+                first = (conv_1.astype(cache.conv_state.dtype), s) if i == 0 else first
+            o, new_state = jnp.concatenate(outs, axis=1), s
+        elif T == 1:
+            o, new_state = kda_api.recurrent_kda(q, k, v, g, beta, initial_state=state, **kw)
         else:
-            o, new_state = kda_api.chunk_kda(q, k, v, g, beta, **kw)  # o [B, T, H, d] in x dtype
+            o, new_state = kda_api.chunk_kda(q, k, v, g, beta, initial_state=state, **kw)  # o [B, T, H, d]
 
         gate = self.g_b_proj(self.g_a_proj(x_btd)).reshape(B, T, H, d)
         o = self.o_norm(o.astype(x_btd.dtype), gate).reshape(B, T, HD)
@@ -167,4 +183,4 @@ class KDA(nnx.Module):
         if fresh:
             return y_btd, None
         new_conv = jnp.concatenate([cq, ck, cv], axis=-1).astype(cache.conv_state.dtype)
-        return y_btd, KDACache(conv_state=new_conv, state=new_state)
+        return y_btd, KDACache(conv_state=new_conv, state=new_state, after_first=first)

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from glm53.serving import protocol as P
 from glm53.serving import responses as R
@@ -47,10 +47,22 @@ class _Stats:
                                ("glm53_requests", "requests", "requests accepted"),
                                ("glm53_requests_refused", "refused", "requests refused (queue full)"),
                                ("glm53_requests_finished", "finished", "requests finished"),
-                               ("glm53_requests_cancelled", "finish_cancelled", "requests cancelled")):  # fmt: skip
+                               ("glm53_requests_cancelled", "finish_cancelled", "requests cancelled"),
+                               ("glm53_prefix_lookups", "prefix_lookups", "prefix-cache lookups"),
+                               ("glm53_prefix_hits", "prefix_hits", "prefix-cache hits"),
+                               ("glm53_prefix_hit_tokens", "prefix_hit_tokens", "prompt tokens not prefilled (hits)"),
+                               ("glm53_mtp_drafted", "drafted", "MTP draft tokens verified"),
+                               ("glm53_mtp_accepted", "accepted", "MTP draft tokens accepted")):  # fmt: skip
             c = CounterMetricFamily(name, doc)
-            c.add_metric([], s[key])
+            c.add_metric([], s.get(key, 0))
             yield c
+        for name, num, den, doc in (
+            ("glm53_prefix_cache_hit_rate", "prefix_hits", "prefix_lookups", "prefix-cache hits / lookups"),
+            ("glm53_mtp_acceptance", "accepted", "drafted", "MTP drafts accepted / verified"),
+        ):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], s.get(num, 0) / s[den] if s.get(den) else 0.0)
+            yield g
 
 
 def make_app(engine: Engine, tok, model_name: str, *, api_key: str | None = None,

@@ -37,7 +37,7 @@ from flax import nnx
 from glm53 import sampling
 from glm53.model import Cache, Glm53Model
 from glm53.serving import speculative as spec
-from glm53.serving.prefix import PrefixCache
+from glm53.serving.prefix import PrefixCache, chunk_plan
 from glm53.serving.text import StopText
 
 
@@ -101,23 +101,6 @@ class Event:
 
 
 Sink = Callable[[Event], None]
-
-
-def chunk_plan(n: int, buckets: Sequence[int], block: int = 0) -> list[int]:
-    """Chunk sizes covering n tokens, largest bucket first (buckets contain 1, so the sum is exact). block > 0:
-    a chunk ends on every multiple of `block` it reaches (whole blocks in chunks of the buckets that are
-    multiples of it, the rest block by block, then the tail), so the prefix cache can snapshot there."""
-    out, rest = [], n
-    if block:
-        head = chunk_plan(n - n % block, [b for b in buckets if b % block == 0])
-        per_block = chunk_plan(block, buckets)
-        out = head + per_block * ((n - n % block - sum(head)) // block)
-        return out + chunk_plan(n % block, buckets)
-    for b in sorted(buckets, reverse=True):
-        while rest >= b:
-            out.append(b)
-            rest -= b
-    return out
 
 
 @dataclasses.dataclass
@@ -193,9 +176,9 @@ class Engine:
         self._active: dict[int, _Seq] = {}
         self._prefilling: _Seq | None = None
         self._staging: Cache | None = None
-        self._h = None  # speculative: the staging's last hidden state (the MTP block pairs it with the next token)
+        self._h = None  # the staging's last hidden state (the MTP block pairs it with the next token)
         self._tokens = np.zeros(slots, np.int32)
-        self._drafts = np.zeros(slots, np.int32)  # speculative: each slot's MTP draft of the token after its next
+        self._drafts = np.zeros(slots, np.int32)  # speculative: each slot's draft of the token after its next
         self._ids = 0
         self.warm = False
 
@@ -208,7 +191,7 @@ class Engine:
             return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counts)
 
         @functools.partial(jit, donate_argnums=(1,))
-        def decode(state, cache, tokens, active, counts, seeds, temp, top_p, top_k):
+        def decode(state, cache, tokens, drafts, active, verify, counts, seeds, temp, top_p, top_k):
             m = nnx.merge(gd, state)
             h, new = m.hidden(tokens[:, None], cache=cache)
             logits = m.logits(h)[:, -1]
@@ -216,19 +199,19 @@ class Engine:
             return sampling.sample(logits, keys(seeds, counts), temp, top_p, top_k), new
 
         @functools.partial(jit, donate_argnums=(1,))
-        def prefill(state, staging, tokens):
+        def prefill(state, staging, tokens, h_prev):  # h_prev, h: used by the speculative variant
             m = nnx.merge(gd, state)
             h, staging = m.hidden(tokens, cache=staging)
-            return m.logits(h[:, -1:])[:, -1], staging
+            return m.logits(h[:, -1:])[:, -1], h[:, -1:], staging
 
-        @functools.partial(jit, donate_argnums=(0,))
-        def insert(cache, staging, slot, logits, seed, temp, top_p, top_k):
+        @functools.partial(jit, donate_argnums=(1,))
+        def insert(state, cache, staging, slot, logits, h_last, seed, temp, top_p, top_k):
             cache = jax.tree.map(
                 lambda a, s: jax.lax.dynamic_update_slice_in_dim(a, s.astype(a.dtype), slot, axis=0),
                 cache, staging,
             )  # fmt: skip
             tok = sampling.sample(logits, keys(seed, jnp.zeros((1,), jnp.int32)), temp, top_p, top_k)
-            return tok, cache
+            return jnp.concatenate([tok, tok]), cache  # (first token, its draft: none here)
 
         self._decode, self._prefill, self._insert = decode, prefill, insert
         if self.speculative:
@@ -246,8 +229,8 @@ class Engine:
     def warmup(self, log: Callable[[str], None] | None = None) -> float:
         """Compiles every program once (a line per program to `log`); returns the seconds it took."""
         t0 = time.perf_counter()
-        b = self.slots
-        self._run_decode(np.zeros(b, bool), np.zeros(b, np.int32), self._sampling_args([None] * b, b))
+        b, z = self.slots, np.zeros(self.slots, bool)
+        self._run_decode(z, z, np.zeros(b, np.int32), self._sampling_args([None] * b, b))
         if log:
             log(f"compiled decode [{b} slots{', speculative' if self.speculative else ''}] "
                 f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
@@ -269,33 +252,23 @@ class Engine:
         return dt
 
     def _new_staging(self) -> Cache:
-        if self.speculative:
-            self._h = jnp.zeros((1, 1, self.cfg.hidden_size), self._h_dtype)
+        self._h = jnp.zeros((1, 1, self.cfg.hidden_size), self._h_dtype)
         return self._init(self.state, 1)
 
     def _run_prefill(self, staging: Cache, toks):
-        if not self.speculative:
-            return self._prefill(self.state, staging, toks)
         logits, self._h, staging = self._prefill(self.state, staging, toks, self._h)
         return logits, staging
 
     def _run_insert(self, staging: Cache, slot: int, logits, seq) -> int:
         args = self._sampling_args([seq], 1)
-        if not self.speculative:
-            tok, self.cache = self._insert(self.cache, staging, slot, logits, *args)
-            return int(np.asarray(tok)[0])
         out, self.cache = self._insert(self.state, self.cache, staging, slot, logits, self._h, *args)
-        out = np.asarray(out)
-        self._drafts[slot] = out[1]
-        return int(out[0])
+        tok, self._drafts[slot] = np.asarray(out)
+        return int(tok)
 
-    def _run_decode(self, active, counts, args) -> np.ndarray:
+    def _run_decode(self, active, verify, counts, args) -> np.ndarray:
         """tokens [B] (plain), or rows (y0, y1, accepted, next draft) [B, 4] (speculative): the host transfer."""
-        if self.speculative:
-            out, self.cache = self._decode(self.state, self.cache, self._tokens, self._drafts, active, counts,
-                                           *args)  # fmt: skip
-        else:
-            out, self.cache = self._decode(self.state, self.cache, self._tokens, active, counts, *args)
+        a = (self.state, self.cache, self._tokens, self._drafts, active, verify, counts, *args)
+        out, self.cache = self._decode(*a)
         return np.asarray(out)
 
     def _sampling_args(self, seqs, n):
@@ -406,7 +379,8 @@ class Engine:
         seq.fed += c
         self.stats["prefill_tokens"] += c
         if self.prefix:
-            self.prefix.store(seq.req.prompt, self._staging, seq.fed - c, seq.fed, self._h)
+            h = self._h if self.speculative else None
+            self.prefix.store(seq.req.prompt, self._staging, seq.fed - c, seq.fed, h)
         if seq.chunks:
             return
         tok = self._run_insert(self._staging, seq.slot, logits, seq)
@@ -454,7 +428,10 @@ class Engine:
             if s is not None:
                 active[i], counts[i] = True, len(s.generated)
         drafts = self._drafts.copy()
-        out = self._run_decode(active, counts, self._sampling_args(seqs, b))  # the one host transfer
+        verify = np.asarray([s is not None and s.req.temperature <= 0 and not s.forced for s in seqs])
+        t0 = time.perf_counter()
+        out = self._run_decode(active, verify, counts, self._sampling_args(seqs, b))  # the one host transfer
+        self.stats["decode_us"] += int(1e6 * (time.perf_counter() - t0))
         self.stats["steps"] += 1
         for i, s in enumerate(seqs):
             if s is None:
@@ -463,10 +440,10 @@ class Engine:
                 self._emit(s, int(out[i]))
                 continue
             y0, y1, acc, self._drafts[i] = (int(v) for v in out[i])
-            if s.req.temperature <= 0:
+            if verify[i]:
                 s.drafted, s.accepted = s.drafted + 1, s.accepted + acc
-                self.stats["drafted"] += 1
-                self.stats["accepted"] += acc
+                self.stats["mtp_drafted"] += 1
+                self.stats["mtp_accepted"] += acc
             for tok in (drafts[i], y1) if acc else (y0,):
                 if self._active.get(i) is s:  # a stop on the first token drops the second
                     self._emit(s, int(tok))

@@ -1,0 +1,231 @@
+"""Prefix cache of the serving engine: a prompt that shares whole blocks with an earlier one resumes from them.
+
+A prompt's blocks are its consecutive runs of K tokens (K = `block`, a multiple of index_kpool), each named by a
+chain hash (the hash of the previous block's name and the block's tokens, as vLLM does): equal names mean equal
+prefixes. Two kinds of snapshot are taken from the batch-1 staging cache while a prompt is prefilled, after
+each chunk (`chunk_plan(..., block=K)` below makes the chunks over whole blocks start and end on boundaries):
+
+  * rows, once per block: the block's positions of every DSA layer's MLA latent, indexer keys and gates and
+    pooled keys (its pools are complete), and of the MTP block's cache when speculative decoding keeps it. The
+    MTP row of position p pairs h_p with token p+1, so a block's MTP rows are taken one position (and one pool)
+    earlier: positions iK-1 .. iK+K-2 depend on the block's prefix only (the first block's are clamped to 0..K-1
+    and the next block overwrites its last row; the last restored block's last row is redone by the prefill);
+  * state, at a chunk's end on a boundary: every KDA layer's conv and recurrent state there (small: O(1) in the
+    length), plus the trunk's last hidden state (the MTP block pairs it with the next prompt token). The KDA
+    kernels return the state at a chunk's end only, so a chunk of several blocks (a bucket that is a multiple of
+    K) leaves a state at its end alone: larger buckets prefill faster, and resume points are that much coarser.
+
+A lookup walks the prompt's block names from the first; it resumes after the deepest matched block that has a
+state (at most (L-1) // K blocks: one token at least is left to prefill, for the logits). The staging cache is
+rebuilt from the blocks' rows (one program writes one block at a traced offset) and that state, and the engine
+prefills only the rest. Snapshots stay on the device (jax arrays): a restore is device-to-device copies with no
+host transfer, and the budget is device memory, counted exactly (the bytes of every array held).
+LRU eviction under the byte budget removes the least recently used block that no other block extends (a leaf),
+then any ancestor left without children and without a state (it can no longer be resumed from).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm53.layers.dsa import DSACache
+from glm53.layers.kda import KDACache
+from glm53.model import Cache
+
+
+@dataclasses.dataclass
+class _Block:
+    parent: bytes | None
+    rows: tuple
+    state: tuple | None = None  # (KDA states per layer, hidden [1, 1, D] or None)
+    nbytes: int = 0
+    children: int = 0
+
+
+def _nbytes(tree) -> int:
+    return sum(int(a.nbytes) for a in jax.tree.leaves(tree))
+
+
+def block_names(prompt: Sequence[int], block: int, n_blocks: int | None = None) -> list[bytes]:
+    """Chain hashes of the prompt's first `n_blocks` whole blocks (default: all)."""
+    n = len(prompt) // block if n_blocks is None else n_blocks
+    toks = np.asarray(prompt[: n * block], np.int64)
+    out, prev = [], b""
+    for i in range(n):
+        prev = hashlib.blake2b(prev + toks[i * block : (i + 1) * block].tobytes(), digest_size=16).digest()
+        out.append(prev)
+    return out
+
+
+def chunk_plan(n: int, buckets: Sequence[int], block: int = 0) -> list[int]:
+    """Chunk sizes covering n tokens, largest bucket first (buckets contain 1, so the sum is exact). block > 0:
+    a chunk ends on every multiple of `block` it reaches (whole blocks in chunks of the buckets that are
+    multiples of it, the rest block by block, then the tail), so the prefix cache can snapshot there."""
+    out, rest = [], n
+    if block:
+        head = chunk_plan(n - n % block, [b for b in buckets if b % block == 0])
+        per_block = chunk_plan(block, buckets)
+        out = head + per_block * ((n - n % block - sum(head)) // block)
+        return out + chunk_plan(n % block, buckets)
+    for b in sorted(buckets, reverse=True):
+        while rest >= b:
+            out.append(b)
+            rest -= b
+    return out
+
+
+class PrefixCache:
+    """Block snapshots of prompts under an LRU byte budget. `stats` (a Counter, shared with the engine) gets
+    prefix_lookups, prefix_hits, prefix_hit_tokens (prefill saved), prefix_evicted_blocks; `nbytes` / `blocks`
+    are the held bytes and blocks. `jit` compiles the four programs (rows, state, put_rows, put_state)."""
+
+    def __init__(self, *, block: int, budget: int, kpool: int, with_mtp: bool, jit: Callable, stats):
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block % kpool:
+            raise ValueError(f"prefix_block={block!r}: must be a positive multiple of index_kpool={kpool}")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(
+                f"prefix_cache_bytes={budget!r}: must be a positive integer (0 turns the cache off)"
+            )
+        self.block, self.budget, self.kpool, self.with_mtp = block, budget, kpool, with_mtp
+        self.stats = stats
+        self.nbytes = 0
+        self._blocks: collections.OrderedDict[bytes, _Block] = collections.OrderedDict()
+        k, kp = block, block // kpool
+
+        def dsa(c: Cache):
+            return (*c.layers, c.mtp if with_mtp else None)
+
+        # rows s .. s+n-1, s clamped at 0 (lax wraps a negative start); a layer that shares its indexer holds
+        # 0-row index arrays
+        def take(a, s, n):
+            return a if a.shape[1] == 0 else jax.lax.dynamic_slice_in_dim(a, jnp.maximum(s, 0), n, axis=1)
+
+        def put(a, x, s):
+            return (
+                a if a.shape[1] == 0 else jax.lax.dynamic_update_slice_in_dim(a, x, jnp.maximum(s, 0), axis=1)
+            )
+
+        def rows(staging: Cache, start):
+            def one(c, s):
+                if not isinstance(c, DSACache):
+                    return None
+                return (take(c.latent, s, k), take(c.index_k, s, k), take(c.index_gate, s, k),
+                        take(c.pooled, s // kpool, kp))  # fmt: skip
+
+            n = len(staging.layers)  # the MTP block's rows: one position earlier (module docstring)
+            return tuple(one(c, start - (i == n)) for i, c in enumerate(dsa(staging)))
+
+        def state(staging: Cache):
+            return tuple((jnp.copy(c.conv_state), jnp.copy(c.state)) if isinstance(c, KDACache) else None
+                         for c in staging.layers)  # fmt: skip
+
+        def put_rows(staging: Cache, rows, start):
+            def one(c, r, s):
+                if r is None:
+                    return c
+                return DSACache(put(c.latent, r[0], s), put(c.index_k, r[1], s), put(c.index_gate, r[2], s),
+                                put(c.pooled, r[3], s // kpool))  # fmt: skip
+
+            n = len(staging.layers)
+            new = tuple(one(c, r, start - (i == n)) for i, (c, r) in enumerate(zip(dsa(staging), rows)))
+            return staging.replace(layers=new[:-1], mtp=new[-1] if with_mtp else staging.mtp)
+
+        def put_state(staging: Cache, st, length):
+            layers = tuple(c if s is None else KDACache(s[0], s[1]) for c, s in zip(staging.layers, st))
+            return staging.replace(layers=layers, length=jnp.full_like(staging.length, length))
+
+        self._rows, self._state = jit(rows), jit(state)
+        self._put_rows = jit(put_rows, donate_argnums=(0,))
+        self._put_state = jit(put_state, donate_argnums=(0,))
+        self.programs = (self._rows, self._state, self._put_rows, self._put_state)
+
+    @property
+    def blocks(self) -> int:
+        return len(self._blocks)
+
+    def clear(self) -> None:
+        """Drops every snapshot (the counters stay)."""
+        self._blocks.clear()
+        self.nbytes = 0
+
+    def warmup(self, staging: Cache) -> Cache:
+        """Compiles the four programs on a batch-1 staging cache; returns it (it is donated)."""
+        r, s = self._rows(staging, 0), self._state(staging)
+        staging = self._put_rows(staging, r, 0)
+        return self._put_state(staging, s, 0)
+
+    # ------------------------------------------------------------------------------------------ lookup
+    def restore(self, prompt: Sequence[int], staging: Cache) -> tuple[int, Cache, jnp.ndarray | None]:
+        """(tokens resumed, the staging cache rebuilt to that point, the hidden state there or None). 0 tokens:
+        the staging cache is returned as is."""
+        self.stats["prefix_lookups"] += 1
+        chain, depth = [], 0
+        for name in block_names(prompt, self.block, (len(prompt) - 1) // self.block):
+            b = self._blocks.get(name)
+            if b is None:
+                break
+            chain.append(name)
+            if b.state is not None:
+                depth = len(chain)
+        if not depth:
+            return 0, staging, None
+        for name in chain:  # the matched chain is now the most recently used
+            self._blocks.move_to_end(name)
+        for i, name in enumerate(chain[:depth]):
+            staging = self._put_rows(staging, self._blocks[name].rows, i * self.block)
+        kda, h = self._blocks[chain[depth - 1]].state
+        n = depth * self.block
+        self.stats["prefix_hits"] += 1
+        self.stats["prefix_hit_tokens"] += n
+        return n, self._put_state(staging, kda, n), h
+
+    # ------------------------------------------------------------------------------------------ store
+    def store(self, prompt: Sequence[int], staging: Cache, start: int, end: int, h=None) -> None:
+        """Snapshots the blocks that the chunk [start, end) completed (and the state at `end` when it is a
+        boundary) from `staging`, whose length is `end`, then evicts down to the budget."""
+        k = self.block
+        first, last = start // k, end // k  # the blocks ending in (start, end]
+        names = block_names(prompt, k, last)
+        for i in range(first, last):
+            name = names[i]
+            if name in self._blocks:
+                self._blocks.move_to_end(name)
+                continue
+            parent = names[i - 1] if i else None
+            if parent is not None and parent not in self._blocks:
+                break  # the chain was cut by eviction: nothing deeper could be found
+            rows = self._rows(staging, i * k)
+            self._blocks[name] = _Block(parent, rows, nbytes=_nbytes(rows))
+            self.nbytes += self._blocks[name].nbytes
+            if parent is not None:
+                self._blocks[parent].children += 1
+        if end % k == 0 and last and names[last - 1] in self._blocks:
+            b = self._blocks[names[last - 1]]
+            if b.state is None:
+                b.state = (self._state(staging), h)
+                n = _nbytes(b.state)
+                b.nbytes += n
+                self.nbytes += n
+        self._evict()
+
+    def _evict(self) -> None:
+        while self.nbytes > self.budget and self._blocks:
+            name = next(n for n, b in self._blocks.items() if b.children == 0)  # a chain's leaf: the LRU one
+            while name is not None:
+                b = self._blocks.pop(name)
+                self.nbytes -= b.nbytes
+                self.stats["prefix_evicted_blocks"] += 1
+                name = b.parent
+                if name is None:
+                    break
+                p = self._blocks[name]
+                p.children -= 1
+                if p.children or p.state is not None:
+                    break

@@ -1,0 +1,102 @@
+"""MTP speculative decoding inside the engine's batched step (`Engine(..., speculative=True)`).
+
+Every slot holds its pending token x (emitted, not yet fed: position n = its cache length) and the MTP block's
+draft d for the token after x. One step feeds [x, d] to every slot (T = 2) and reads two tokens: y0 after x
+(sampled by the slot's own parameters; argmax for a greedy slot) and y1, the argmax after d.
+  * a greedy slot whose draft was right (y0 == d) emits d and y1 and advances two positions;
+  * any other slot emits y0 and advances one: its KDA layers are rolled back to their state after the first
+    token, which the same pass computed (`KDACache.after_first`): no cache copy, no second pass. Its MLA latent /
+    indexer rows past the new length hold the rejected draft's and are overwritten by the next step (a query
+    never sees a row past its own position; a pool is re-pooled by the step that completes it).
+A sampled slot never accepts, so it draws from exactly the plain step's distribution (same logits, same key)
+and every slot can share the one program (no per-batch choice of program, and the MTP cache stays complete).
+Nor does a slot whose next token is forced (Request.think_budget): the forced token replaces the emitted one,
+which must not be a draft already in the cache (its MTP pair then holds the sampled token: a worse next draft,
+never a wrong token).
+The MTP block then runs on the pairs (h_n, e0), (h_n+1, y1) with e0 = d when accepted, else y0; the next draft
+is its argmax at the last valid pair. Greedy output is exactly plain greedy decoding's (tests/test_serving_spec.py).
+
+Prefill keeps the MTP cache in step with the trunk: a chunk [s, s+c) runs the MTP block on its positions paired
+with the next prompt tokens; the last pair's next token is not known yet, so the next chunk first redoes the
+pair at s-1 with the hidden state the previous chunk returned (`h_prev`), and `insert` redoes the prompt's last
+pair with the first sampled token, whose MTP logits give the first draft.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glm53 import sampling
+from glm53.layers.kda import KDACache
+from glm53.model import Cache
+
+
+def _with_first(cache: Cache) -> Cache:
+    """Asks every KDA layer for its state after the first of the step's tokens."""
+    layers = tuple(c.replace(after_first=(c.conv_state, c.state)) if isinstance(c, KDACache) else c
+                   for c in cache.layers)  # fmt: skip
+    return cache.replace(layers=layers)
+
+
+def _roll_back(cache: Cache, keep: jnp.ndarray) -> Cache:
+    """Per slot: the KDA state after both tokens where `keep`, else after the first; `after_first` dropped."""
+
+    def one(c):
+        if not isinstance(c, KDACache):
+            return c
+        conv, st = c.after_first
+        sel = lambda a, b: jnp.where(keep.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
+        return KDACache(sel(c.conv_state, conv), sel(c.state, st))
+
+    return cache.replace(layers=tuple(one(c) for c in cache.layers))
+
+
+def build(graphdef, jit, keys):
+    """The speculative decode, prefill and insert programs (see the module docstring); `keys(seeds, counts)`
+    makes the per-slot sampling keys, `jit` compiles."""
+    gd = graphdef
+
+    def decode(state, cache, tokens, drafts, active, verify, counts, seeds, temp, top_p, top_k):
+        """-> int32 [B, 4] (y0, y1, accepted, next draft) and the cache (lengths +2 / +1 / +0 inactive).
+        verify [B]: the slots whose draft may be accepted (active, greedy, no token forced next)."""
+        m = nnx.merge(gd, state)
+        n = cache.length
+        h, new = m.hidden(jnp.stack([tokens, drafts], axis=1), cache=_with_first(cache))
+        logits = m.logits(h)  # [B, 2, V]
+        y0 = sampling.sample(logits[:, 0], keys(seeds, counts), temp, top_p, top_k)
+        y1 = jnp.argmax(logits[:, 1], axis=-1).astype(jnp.int32)
+        acc = verify & active & (temp <= 0) & (y0 == drafts)
+        dl, new = m.mtp_logits(h, jnp.stack([jnp.where(acc, drafts, y0), y1], axis=1), cache=new)
+        draft = jnp.argmax(jnp.where(acc[:, None], dl[:, 1], dl[:, 0]), axis=-1).astype(jnp.int32)
+        new = _roll_back(new, acc).replace(length=n + jnp.where(active, jnp.where(acc, 2, 1), 0))
+        return jnp.stack([y0, y1, acc.astype(jnp.int32), draft], axis=1), new
+
+    def prefill(state, staging, tokens, h_prev):
+        """-> (last logits [1, V], last hidden [1, 1, D], staging) for the chunk `tokens` [1, C]."""
+        m = nnx.merge(gd, state)
+        s = staging.length
+        h, staging = m.hidden(tokens, cache=staging)
+        end = staging.length
+        # the pair at s-1 (at s = 0 a placeholder at 0 that the chunk's own pairs overwrite)
+        _, staging = m.mtp_logits(h_prev, tokens[:, :1], cache=staging.replace(length=jnp.maximum(s, 1)),
+                                  last_only=True)  # fmt: skip
+        nxt = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)  # the last pair is redone later
+        _, staging = m.mtp_logits(h, nxt, cache=staging.replace(length=end), last_only=True)
+        return m.logits(h[:, -1:])[:, -1], h[:, -1:], staging
+
+    def insert(state, cache, staging, slot, logits, h_last, seed, temp, top_p, top_k):
+        """-> int32 [2] (first token, its draft) and the cache with the staging cache in row `slot`."""
+        m = nnx.merge(gd, state)
+        tok = sampling.sample(logits, keys(seed, jnp.zeros((1,), jnp.int32)), temp, top_p, top_k)
+        dl, staging = m.mtp_logits(h_last, tok[:, None], cache=staging)
+        cache = jax.tree.map(
+            lambda a, s: jax.lax.dynamic_update_slice_in_dim(a, s.astype(a.dtype), slot, axis=0),
+            cache,
+            staging,
+        )
+        return jnp.stack([tok[0], jnp.argmax(dl[0, -1]).astype(jnp.int32)]), cache
+
+    return (jit(decode, donate_argnums=(1,)), jit(prefill, donate_argnums=(1,)),
+            jit(insert, donate_argnums=(1,)))  # fmt: skip
