@@ -51,6 +51,11 @@ _CACHE = flags.DEFINE_string(
 )
 
 
+_PREFIX_MB = flags.DEFINE_integer("prefix_cache_mb", 256, "prefix cache budget in MiB (0: off)")
+_PREFIX_BLOCK = flags.DEFINE_integer("prefix_block", 16, "prefix cache block: tokens per snapshot boundary")
+_SPEC = flags.DEFINE_bool(
+    "speculative", False, "MTP speculative decoding in the batched step (needs the MTP block; greedy requests)"
+)
 _MOE_IMPL = cli.define_moe_impl_flag()
 
 
@@ -64,6 +69,8 @@ def main(argv):
     ):
         if v < lo:
             raise app.UsageError(f"--{name}={v}: must be >= {lo}")
+    if _PREFIX_MB.value < 0 or _PREFIX_BLOCK.value < 1:
+        raise app.UsageError("--prefix_cache_mb must be >= 0 and --prefix_block >= 1")
     if not 0 <= _PORT.value < 65536:
         raise app.UsageError(f"--port={_PORT.value}: must be in [0, 65535]")
     try:
@@ -80,11 +87,13 @@ def main(argv):
     if weights is None:
         cfg = model_config_from_dict(_CONFIG.value.model)
         model = build.random_model(cfg, seed=_CONFIG.value.seed, dtype=build.parse_dtype(_CONFIG.value.param_dtype),
-                                   quant=build.quant_from_experiment_config(_CONFIG.value), with_mtp=False,
+                                   quant=build.quant_from_experiment_config(_CONFIG.value), with_mtp=_SPEC.value,
                                    kernels={"moe": _MOE_IMPL.value})  # fmt: skip
     else:
-        cfg, model = build.load_model(weights, dtype=build.parse_dtype(_DTYPE.value), with_mtp=False,
+        cfg, model = build.load_model(weights, dtype=build.parse_dtype(_DTYPE.value), with_mtp=_SPEC.value,
                                       kernels={"moe": _MOE_IMPL.value})  # fmt: skip
+    if _SPEC.value and model.mtp is None:
+        raise app.UsageError("--speculative drafts with the MTP block, and this model has none")
     tok = tokenizer.load_tokenizer(weights, vocab_size=cfg.vocab_size)
     name = _NAME.value or (assets.NAME if label else os.path.basename(os.path.normpath(weights)) if weights
                            else "glm53-random")  # fmt: skip
@@ -92,10 +101,12 @@ def main(argv):
                                                             f"(seed {_CONFIG.value.seed}): output is noise")  # fmt: skip
     print(f"{what}; {count_params(model) / 1e6:.2f}M parameters", flush=True)
     engine = Engine(model, slots=_SLOTS.value, max_len=_MAX_LEN.value, buckets=buckets,
-                    eos_ids=cfg.eos_token_ids, max_queue=_QUEUE.value,
+                    eos_ids=cfg.eos_token_ids, max_queue=_QUEUE.value, prefix_cache_bytes=_PREFIX_MB.value << 20,
+                    prefix_block=_PREFIX_BLOCK.value, speculative=_SPEC.value,
                     detokenize=detokenizer(tok, keep=(THINK_OPEN, THINK_CLOSE)))  # fmt: skip
-    print(f"model {name!r}: {_SLOTS.value} slots x {_MAX_LEN.value} positions, prefill buckets {buckets}",
-          flush=True)  # fmt: skip
+    print(f"model {name!r}: {_SLOTS.value} slots x {_MAX_LEN.value} positions, prefill buckets {buckets}, prefix "
+          f"cache {_PREFIX_MB.value} MiB (blocks of {_PREFIX_BLOCK.value}), MTP speculative "
+          f"{'on' if _SPEC.value else 'off'}", flush=True)  # fmt: skip
     application = make_app(engine, tok, name, api_key=_API_KEY.value, log=lambda s: print(s, flush=True))
     sock = socket.socket(socket.AF_INET6 if ":" in _HOST.value else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

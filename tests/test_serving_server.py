@@ -209,6 +209,18 @@ def test_thinking_through_the_sdks(server):
     assert status == 400 and json.loads(raw)["error"]["param"] == "reasoning_effort"
 
 
+def test_prefix_cache_hit_equals_cold_run(server):
+    """The server runs with the prefix cache on (default 256 MiB): a repeated long prompt resumes from its
+    snapshots (hits counted in /metrics) and gives the cold run's text (the engine's tests prove the tokens)."""
+    long = "You are a careful assistant who answers briefly and precisely. " * 4 + "Why is the sky blue?"
+    hits, saved = _metric(server, "glm53_prefix_hits_total"), _metric(server, "glm53_prefix_hit_tokens_total")
+    cold = _chat(server, long, 8).choices[0].message.content
+    warm = _chat(server, long, 8).choices[0].message.content
+    assert warm == cold and _metric(server, "glm53_prefix_hits_total") == hits + 1
+    assert _metric(server, "glm53_prefix_hit_tokens_total") >= saved + 32
+    assert 0 < _metric(server, "glm53_prefix_cache_hit_rate") <= 1
+
+
 PROMPTS = ["Hello!", "Write a poem about the sea.", "def add(a, b):", "What is 2 + 2?", "Tell me a story",
            "import numpy as np", "Why?", "List three colors."]  # fmt: skip
 

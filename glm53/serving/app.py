@@ -51,14 +51,14 @@ class _Stats:
                                ("glm53_prefix_lookups", "prefix_lookups", "prefix-cache lookups"),
                                ("glm53_prefix_hits", "prefix_hits", "prefix-cache hits"),
                                ("glm53_prefix_hit_tokens", "prefix_hit_tokens", "prompt tokens not prefilled (hits)"),
-                               ("glm53_mtp_drafted", "drafted", "MTP draft tokens verified"),
-                               ("glm53_mtp_accepted", "accepted", "MTP draft tokens accepted")):  # fmt: skip
+                               ("glm53_mtp_drafted", "mtp_drafted", "MTP draft tokens verified"),
+                               ("glm53_mtp_accepted", "mtp_accepted", "MTP draft tokens accepted")):  # fmt: skip
             c = CounterMetricFamily(name, doc)
             c.add_metric([], s.get(key, 0))
             yield c
         for name, num, den, doc in (
             ("glm53_prefix_cache_hit_rate", "prefix_hits", "prefix_lookups", "prefix-cache hits / lookups"),
-            ("glm53_mtp_acceptance", "accepted", "drafted", "MTP drafts accepted / verified"),
+            ("glm53_mtp_acceptance", "mtp_accepted", "mtp_drafted", "MTP drafts accepted / verified"),
         ):
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], s.get(num, 0) / s[den] if s.get(den) else 0.0)
