@@ -8,8 +8,9 @@
 
 Without --weights and --config it runs the trained model shipped with glm53 (`glm53.assets`, exactly as
 ``--weights=glm53/assets/mini``); --config alone runs that config's seeded random model (noise, for tests).
-Prints what runs (first line), the new token ids (and text when a tokenizer is present; without one, text is
-bytes) and decode tokens/s. --chat renders --prompt as a user message with the tokenizer's chat template (printed).
+Decoding runs on the serving engine (glm53.serving.engine: one slot, prefill in chunks of 256/64/16/4/1 tokens,
+sampling on device), the decode loop `experiments.serve` runs too. Prints what runs (first line), the new token
+ids (and text when a tokenizer is present; without one, text is bytes) and decode tokens/s. --chat renders --prompt as a user message with the tokenizer's chat template (printed).
 --speculative decodes greedily with MTP drafts, then also plain greedy in the same run: it prints the draft
 acceptance rate, whether both give the same tokens (they must), and the decode speedup (tokens/s of compiled
 runs, median of --repeats runs each, compilation excluded). The model and its caches run on the config's device
@@ -17,12 +18,17 @@ mesh (``--config.mesh.shape=(1,8) --config.mesh.rules=ep``); --weights without -
 device on "model", tensor parallel); with both, --config gives the mesh and quant sections.
 """
 
+import time
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from experiments import cli
 from glm53 import assets, build, generate, tokenizer
 from glm53.config import model_config_from_dict
+from glm53.serving import engine as E
+
+BUCKETS = (1, 4, 16, 64, 256)  # prefill chunk sizes: any prompt splits into at most 3 chunks of each
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "experiment config (configs/*.py[:variant])", lock_config=True
@@ -69,27 +75,50 @@ def _median(xs: list[float]) -> float:
     return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
-def speculative_vs_greedy(gen: generate.Generator, ids: list[int], max_new: int, eos_ids, repeats: int):
-    """(speculative result, plain greedy result, speedup line) for one prompt.
+def run_engine(eng: E.Engine, ids: list[int], sp: generate.SamplingParams) -> generate.GenerationResult:
+    """One request on `eng` (compiling what it needs on first use): its tokens and timings. Prefill: until the
+    first token; decode: the rest; steady: after the first decode step (which compiles on a cold engine)."""
+    times, out, last = [], [], {}
+    req = E.Request(list(ids), max_tokens=sp.max_new, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+                    seed=sp.seed, eos_ids=tuple(sp.eos_ids))  # fmt: skip
 
-    Both decoders first run once (compiling; these are the results returned), on caches of one length so they
-    share the compiled prefill and one-token steps. Then `repeats` interleaved timed runs of each, all compiled:
-    the speedup is the median over pairs of (speculative / greedy) decode tokens/s (new tokens over the time
-    after prefill), so machine load that drifts between pairs cancels.
+    def sink(ev: E.Event) -> None:
+        times.extend([time.perf_counter()] * len(ev.token_ids))
+        out.extend(ev.token_ids)
+        last["ev"] = ev
+
+    steps0 = eng.stats["steps"]
+    t0 = time.perf_counter()
+    eng.submit(req, sink)
+    eng.run_until_idle()
+    ev, steps = last["ev"], eng.stats["steps"] - steps0
+    res = generate.GenerationResult([out], prefill_s=times[0] - t0, decode_s=times[-1] - times[0],
+                                    decode_steps=steps, accepted=ev.accepted, drafted=ev.drafted)  # fmt: skip
+    second = next((i for i, t in enumerate(times) if t > times[0]), None)  # the first decode step's tokens
+    if second is not None and steps > 1 and times[-1] > times[second]:
+        res.steady_s, res.steady_steps = times[-1] - times[second], steps - 1
+    return res
+
+
+def speculative_vs_greedy(model, ids: list[int], max_new: int, eos_ids, repeats: int, **engine_kw):
+    """(speculative result, plain greedy result, speedup line) for one prompt, each on its own one-slot engine.
+
+    Both first run once (compiling; these are the results returned). Then `repeats` interleaved timed runs of
+    each, all compiled: the speedup is the median over pairs of (speculative / greedy) decode tokens/s (new
+    tokens over the time after prefill), so machine load that drifts between pairs cancels.
     """
-    eos_ids = tuple(eos_ids)
-    # generate_speculative's own default length; the greedy run uses the same caches
     max_len = len(ids) + max_new + 2
-    sp = generate.SamplingParams(max_new=max_new, eos_ids=eos_ids)
-    spec = gen.generate_speculative(ids, max_new, eos_ids=eos_ids, max_len=max_len)
-    greedy = gen.generate([ids], sp, max_len=max_len)
+    sp = generate.SamplingParams(max_new=max_new, eos_ids=tuple(eos_ids))
+    engines = [E.Engine(model, slots=1, max_len=max_len, buckets=BUCKETS, speculative=s, **engine_kw)
+               for s in (True, False)]  # fmt: skip
+    spec, greedy = (run_engine(e, ids, sp) for e in engines)
     n = len(spec.tokens[0])
     if n < 2 or len(greedy.tokens[0]) < 2:
         return spec, greedy, f"speedup: not measured ({n} new token(s); needs at least 2)"
     s_tps, g_tps, ratios = [], [], []
     for _ in range(repeats):
-        s = gen.generate_speculative(ids, max_new, eos_ids=eos_ids, max_len=max_len).decode_tokens_per_s
-        g = gen.generate([ids], sp, max_len=max_len).decode_tokens_per_s
+        s = run_engine(engines[0], ids, sp).decode_tokens_per_s
+        g = run_engine(engines[1], ids, sp).decode_tokens_per_s
         s_tps.append(s)
         g_tps.append(g)
         ratios.append(s / g)
@@ -140,15 +169,18 @@ def main(argv):
                              weights=weights, label=label))  # fmt: skip
     if isinstance(tok, tokenizer.ByteTokenizer):
         print("tokenizer: none (token ids are bytes)")
-    gen = generate.Generator(run.model, mesh=run.mesh, rules=run.rules)
+    mesh = dict(mesh=run.mesh, rules=run.rules)
     if _SPEC.value:
-        if not gen.has_mtp:
+        if run.model.mtp is None:
             raise app.UsageError("--speculative needs the MTP block, and the weights have none")
         res, greedy, speed = speculative_vs_greedy(
-            gen, ids, _MAX_NEW.value, cfg.eos_token_ids, _REPEATS.value
+            run.model, ids, _MAX_NEW.value, cfg.eos_token_ids, _REPEATS.value, **mesh
         )
+    elif _MAX_NEW.value == 0:
+        res = generate.GenerationResult([[]], prefill_s=0.0, decode_s=0.0, decode_steps=0)
     else:
-        res = gen.generate([ids], sampling_params(cfg.eos_token_ids))
+        eng = E.Engine(run.model, slots=1, max_len=len(ids) + _MAX_NEW.value + 1, buckets=BUCKETS, **mesh)
+        res = run_engine(eng, ids, sampling_params(cfg.eos_token_ids))
     new = res.tokens[0]
     if chat is not None:
         print("chat:", repr(chat))

@@ -34,73 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from glm53 import parallel as S
 from glm53 import sampling
 from glm53.model import Cache, Glm53Model
 from glm53.serving import speculative as spec
 from glm53.serving.prefix import PrefixCache, chunk_plan
+from glm53.serving.request import Event, QueueFull, Request, Sink  # noqa: F401 - the engine's API, re-exported
 from glm53.serving.text import StopText
-
-
-class QueueFull(RuntimeError):
-    """The engine's waiting queue is full: the request is refused (HTTP 429 / 503)."""
-
-
-@dataclasses.dataclass
-class Request:
-    """One generation request: prompt token ids and how to sample / stop. ValueError naming a bad field."""
-
-    prompt: list[int]
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-    eos_ids: tuple[int, ...] | None = None  # None: the engine's
-    id: str = ""
-    # Called with the whole text so far after each token: True ends the request ("stop"), e.g. a tool call's
-    # arguments that are complete or can no longer parse (glm53.serving.tools.arguments_done).
-    until: Callable[[str], bool] | None = None
-    # Thinking's budget (glm53.serving.reasoning): (N, the ids of `</think>`): after N generated tokens without
-    # those ids, they are fed in place of the next sampled tokens, which ends the reasoning.
-    think_budget: tuple[int, list[int]] | None = None
-
-    def __post_init__(self):
-        sampling.check_params(self.temperature, self.top_p, self.top_k)
-        for name in ("max_tokens", "seed"):
-            v = getattr(self, name)
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, numbers.Integral)
-                or v < (1 if name == "max_tokens" else 0)
-            ):
-                raise ValueError(f"{name}={v!r}: must be an integer >= {1 if name == 'max_tokens' else 0}")
-        if isinstance(self.stop, str):
-            self.stop = (self.stop,)
-        self.stop = tuple(self.stop)
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop={self.stop!r}: stop sequences must be non-empty strings")
-
-
-@dataclasses.dataclass
-class Event:
-    """What a request's sink receives: new token ids and text; finish_reason set on the last event
-    ("stop": EOS or a stop string, "length": max_tokens or the context, "cancelled", "error")."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
-    stop_sequence: str | None = None  # the stop string that ended the request
-    drafted: int = 0  # speculative decoding (last event): MTP drafts verified for this request
-    accepted: int = 0  # ... and accepted (each one a token gained)
-    prefix_tokens: int = 0  # prompt tokens resumed from the prefix cache (not prefilled)
-
-
-Sink = Callable[[Event], None]
 
 
 @dataclasses.dataclass
@@ -127,7 +67,8 @@ class Engine:
     strings). compiler_options go to every `jax.jit` (e.g. {"xla_backend_optimization_level": 0}: faster
     compiles for tests). Not thread-safe except `submit`, `cancel` and the counters; drive it with `step` / `run`.
     prefix_cache_bytes: the prefix cache's byte budget (0: off), prefix_block its block (tokens, a multiple of
-    index_kpool); speculative: MTP speculative decoding (the model needs its MTP block)."""
+    index_kpool); speculative: MTP speculative decoding (the model needs its MTP block). mesh / rules: the mesh
+    and rule set a sharded model was placed with (caches are created in the rules' shardings)."""
 
     def __init__(
         self,
@@ -143,6 +84,8 @@ class Engine:
         prefix_cache_bytes: int = 0,
         prefix_block: int = 16,
         speculative: bool = False,
+        mesh=None,
+        rules="tp",
     ):
         for name, v, lo in (("slots", slots, 1), ("max_len", max_len, 2), ("max_queue", max_queue, 1)):
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
@@ -167,6 +110,8 @@ class Engine:
             jit = functools.partial(jax.jit, compiler_options=compiler_options)
             self.prefix = PrefixCache(block=prefix_block, budget=prefix_cache_bytes, kpool=self.cfg.index_kpool,
                                       with_mtp=self.speculative, jit=jit, stats=self.stats)  # fmt: skip
+        self._place = (lambda c: c) if mesh is None else (  # caches in the rules' shardings (a sharded model)
+            lambda c: jax.lax.with_sharding_constraint(c, S.cache_shardings(c, mesh, rules)))  # fmt: skip
         self._build_programs(compiler_options)
         self.cache = self._init(self.state, slots)
         self._waiting: queue.Queue = queue.Queue(maxsize=max_queue)
@@ -217,7 +162,7 @@ class Engine:
         if self.speculative:
             self._decode, self._prefill, self._insert = spec.build(gd, jit, keys)
         self._init = jit(
-            lambda state, b: nnx.merge(gd, state).init_cache(b, self.max_len), static_argnums=(1,)
+            lambda state, b: self._place(nnx.merge(gd, state).init_cache(b, self.max_len)), static_argnums=(1,)
         )
 
     def compiled_programs(self) -> int:
