@@ -18,6 +18,7 @@ from ml_collections import config_flags
 from experiments import cli
 from glm53.benchmarks import harness
 from glm53.benchmarks import kernels as bench
+from glm53.parallel import distributed
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "benchmark set (configs/bench_kernels.py:NAME)", lock_config=True
@@ -43,7 +44,7 @@ def main(argv):
     for n in result["notes"]:
         print(f"note: {n}")
     print(harness.describe(result["machine"]))
-    if _OUT.value:
+    if _OUT.value and distributed.is_main_process():  # several processes: process 0 writes
         harness.write_result(_OUT.value, result)
         print(f"wrote {_OUT.value}")
 

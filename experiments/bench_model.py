@@ -19,6 +19,7 @@ from experiments import cli
 from glm53.benchmarks import harness
 from glm53.benchmarks import model as bench
 from glm53.config import model_config_from_dict
+from glm53.parallel import distributed
 
 _CONFIGS = flags.DEFINE_list("configs", ["tiny", "small"], "configs/tiny.py variants (tiny = default)")
 _PREFILL = flags.DEFINE_integer("prefill_len", 64, "prompt tokens (one-shot prefill)")
@@ -49,7 +50,7 @@ def main(argv):
     result = bench.run(models, settings)
     m = result["machine"]
     print(f"{harness.describe(m)}; torch threads {m['torch_threads']}")
-    if _OUT.value:
+    if _OUT.value and distributed.is_main_process():  # several processes: process 0 writes
         harness.write_result(_OUT.value, result)
         print(f"wrote {_OUT.value}")
 

@@ -13,6 +13,7 @@ from absl import app, flags
 
 from experiments import cli
 from glm53.benchmarks import harness, moe_cpu
+from glm53.parallel import distributed
 
 _TOKENS = flags.DEFINE_list("tokens", ["1", "8", "64", "512"], "Token counts T (decode form for T*K <= 64).")
 _IMPLS = flags.DEFINE_list(
@@ -43,7 +44,7 @@ def main(argv):
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     print(harness.describe(result["machine"]))
-    if _OUT.value:
+    if _OUT.value and distributed.is_main_process():  # several processes: process 0 writes
         harness.write_result(_OUT.value, result)
         print(f"wrote {_OUT.value}")
 

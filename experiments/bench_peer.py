@@ -22,6 +22,7 @@ from configs import tiny
 from experiments import cli
 from glm53.benchmarks import harness, peer
 from glm53.config import model_config_from_dict
+from glm53.parallel import distributed
 
 _CONFIG = flags.DEFINE_string("config", "configs/tiny.py:small", "model config: configs/tiny.py:VARIANT")
 _FORMATS = flags.DEFINE_list("formats", list(peer.FORMATS), f"GGUF files, among {','.join(peer.FORMATS)}")
@@ -76,12 +77,12 @@ def main(argv):
             os.makedirs(d, exist_ok=True)
     cfg = model_config_from_dict(tiny.model_config(variant))
     save = (
-        (lambda r: harness.write_result(_OUT.value, r)) if _OUT.value else None
+        (lambda r: harness.write_result(_OUT.value, r)) if _OUT.value and distributed.is_main_process() else None
     )  # each file's results at once
     result = peer.run(cfg, variant, settings, folder=_KEEP.value, on_file=save)
     print(f"{harness.describe(result['machine'])}; threads {settings.threads}")
     print(peer.table(result))
-    if _OUT.value:
+    if _OUT.value and distributed.is_main_process():  # several processes: process 0 writes
         print(f"wrote {_OUT.value}")
 
 

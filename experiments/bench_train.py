@@ -17,6 +17,7 @@ from experiments import cli
 from glm53.benchmarks import harness
 from glm53.benchmarks import train as bench
 from glm53.config import model_config_from_dict
+from glm53.parallel import distributed
 
 _CONFIGS = flags.DEFINE_list("configs", ["tiny"], "configs/tiny.py variants (tiny = default)")
 _BATCH = flags.DEFINE_integer("batch_size", 4, "sequences per step")
@@ -45,7 +46,7 @@ def main(argv):
     result = bench.run(models, bench.Settings(_BATCH.value, _SEQ.value, _REPEATS.value, _SEED.value))
     m = result["machine"]
     print(f"{harness.describe(m)}; torch threads {m['torch_threads']}")
-    if _OUT.value:
+    if _OUT.value and distributed.is_main_process():  # several processes: process 0 writes
         harness.write_result(_OUT.value, result)
         print(f"wrote {_OUT.value}")
 

@@ -7,6 +7,10 @@
 * Logs are quiet by default (absl verbosity WARNING); ``--verbosity=0`` shows info, ``--verbosity=1`` debug.
 * With JAX_PLATFORMS unset on a machine without TPU or NVIDIA devices, JAX uses the CPU without probing (and
   logging the failure of) an installed libtpu.
+* Several processes (hosts): ``--coordinator=HOST:PORT --num_processes=N --process_id=I`` (or
+  ``--coordinator=auto``, or a detected SLURM / Open MPI / TPU-pod environment) join one `jax.distributed`
+  system before `main` runs (`glm53.parallel.distributed`); the mesh then spans every process's devices.
+  ``python -m experiments.launch`` starts such processes on one machine.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from ml_collections import config_flags
 
 from glm53.config import MOE_IMPLEMENTATIONS
 from glm53.errors import CheckpointError, ConfigError, DataError, GGUFError, ShardingError, TrainingError
+from glm53.parallel import distributed
 from glm53.tokenizer import TokenizerError
 
 INPUT_ERRORS = (
@@ -33,6 +38,15 @@ INPUT_ERRORS = (
     TrainingError,
 )
 USAGE_EXIT, INPUT_EXIT = 2, 1
+
+# --- several processes (glm53.parallel.distributed): defined here, so every entry point has them
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator", None,
+    "HOST:PORT of process 0's jax.distributed coordinator (with --num_processes, --process_id), or 'auto': "
+    "JAX's cluster detection (Cloud TPU, SLURM, Open MPI). Unset: one process, unless such a cluster is detected",
+)  # fmt: skip
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "with --coordinator: number of processes")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "with --coordinator: this process's index (0: writes outputs)")
 
 
 PCI = "/sys/bus/pci/devices"
@@ -110,6 +124,10 @@ def run(main: Callable[[list[str]], None]) -> None:
     def wrapped(argv):
         if not flags.FLAGS["verbosity"].present:
             logging.set_verbosity(logging.WARNING)
+        try:
+            distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+        except ConfigError as e:
+            usage_exit(str(e))
         try:
             return main(argv)
         except app.UsageError as e:

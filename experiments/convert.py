@@ -18,6 +18,7 @@ from absl import app, flags
 from experiments import cli
 from glm53 import build
 from glm53.checkpoint import convert
+from glm53.parallel import distributed
 
 _HF = flags.DEFINE_string("hf", None, "HF safetensors folder (config.json + weights)", required=True)
 _GGUF = flags.DEFINE_multi_string("gguf", [], "GGUF file with the routed experts (repeat for split shards)")
@@ -49,7 +50,8 @@ def main(argv):
         int8_min_size=_INT8_MIN.value, layout=_LAYOUT.value, with_mtp=build.MTP_CHOICES[_MTP.value],
         chunk_bytes=_CHUNK.value,
     )  # fmt: skip
-    print(convert.convert_cli_summary(out))
+    if distributed.is_main_process():  # several processes: process 0 wrote the checkpoint and reports it
+        print(convert.convert_cli_summary(out))
 
 
 if __name__ == "__main__":

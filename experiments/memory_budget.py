@@ -23,6 +23,7 @@ from glm53.memory import budget
 from glm53.memory.caches import CacheLayout
 from glm53.memory.placement import PLACEMENTS
 from glm53.memory.report import report
+from glm53.parallel import distributed
 from glm53.quant.budget import LAYOUTS
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -80,7 +81,7 @@ def main(argv):
     except (ConfigError, ValueError) as e:  # bad values: the message names the flag / field, no usage dump
         raise SystemExit(f"memory_budget: {e}") from None
     print(report(result))
-    if _OUT.value:
+    if _OUT.value and distributed.is_main_process():  # several processes: process 0 writes
         write_json(_OUT.value, result)
         print(f"\nwrote {_OUT.value}")
 

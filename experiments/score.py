@@ -25,6 +25,7 @@ from experiments import cli
 from glm53 import assets, build, scoring
 from glm53.config import model_config_from_dict
 from glm53.files import atomic_write
+from glm53.parallel import distributed
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "experiment config (configs/*.py[:variant])", lock_config=True
@@ -78,6 +79,8 @@ def main(argv):
     logits, nll = scoring.score(run.model, seqs)
     arrays = {f"logits_{i}": lg for i, lg in enumerate(logits)}
     arrays["nll"] = nll
+    if not distributed.is_main_process():  # several processes: process 0 writes and reports
+        return
     with atomic_write(_OUT.value, "wb") as f:
         np.savez(f, **arrays)
     for i, v in enumerate(nll):

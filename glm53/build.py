@@ -136,7 +136,7 @@ def experiment_mesh(config, cfg: ModelConfig) -> tuple[Mesh, S.Rules]:
     try:
         S.check_config(cfg, mesh, rules)
     except ShardingError as e:
-        if mesh_cfg != MeshConfig():
+        if mesh_cfg != MeshConfig() or jax.process_count() > 1:  # several processes: no one-device fallback
             raise ShardingError(f"mesh {dict(mesh.shape)} with rules {rules.name!r}: {e}") from None
         _log.warning("the model does not split over %d devices (%s): running on one device", mesh.size, e)
         mesh = S.make_mesh(MeshConfig(shape=(1, 1)), jax.devices()[:1])

@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from glm53.model import Glm53Model
+from glm53.parallel import distributed
 
 
 def check_sequences(sequences, vocab_size: int | None = None, max_len: int | None = None) -> None:
@@ -45,7 +46,7 @@ def score(model: Glm53Model, sequences: list[list[int]]) -> tuple[list[np.ndarra
     all_logits, nll = [], []
     for seq in sequences:
         toks = np.asarray(seq, np.int64)
-        logits = np.asarray(fwd(state, jnp.asarray(toks[None], jnp.int32))[0], np.float32)
+        logits = distributed.to_host(fwd(state, jnp.asarray(toks[None], jnp.int32)))[0].astype(np.float32)  # every process
         all_logits.append(logits)
         lp = jax.nn.log_softmax(jnp.asarray(logits[:-1]), axis=-1)
         nll.append(float(-jnp.mean(jnp.take_along_axis(lp, jnp.asarray(toks[1:, None]), axis=-1))))

@@ -8,6 +8,10 @@ modification times are part of the fingerprint, so a resume never mixes two mode
 convert the new files). Only when every unit exists are the sidecar and COMPLETE written and ``OUT.partial``
 renamed to OUT: an interrupted run never leaves a directory named OUT. Arrays are stored in Orbax chunks of at
 most `chunk_bytes`: the read granularity of a sharded restore.
+
+Several processes (`glm53.parallel.distributed`, e.g. one per host of a slice): process 0 alone reads the sources
+and writes every unit (with an Orbax writer of its own: Orbax writes host arrays from process 0 only) and the
+sidecar; the others wait for it. The result is the checkpoint one process writes.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from glm53.errors import CheckpointError
 from glm53.files import write_json
 from glm53.layers.param import Path, path_str
 from glm53.model import Glm53Model
+from glm53.parallel import distributed
 from glm53.quant.int8 import Int8Weight
 from glm53.quant.mixes import MATRICES
 from glm53.quant.qweight import QuantizedExperts, expert_formats
@@ -116,7 +121,7 @@ class _Writer:
             nodes[path] = node
         tree = nest(nodes)
         save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=self.chunk_bytes), tree)
-        ocp.PyTreeCheckpointer().save(
+        _unit_checkpointer().save(
             os.path.join(staging, "arrays"), args=ocp.args.PyTreeSave(tree, save_args=save_args)
         )
         write_json(os.path.join(staging, "manifest.json"), {"unit": unit, "tensors": entries})
@@ -128,6 +133,15 @@ class _Writer:
         _log.info("wrote unit %s (%d tensors)", unit, len(entries))
         if self.interrupt_after is not None and self.written >= self.interrupt_after:
             raise ConversionInterrupted(f"conversion interrupted after {self.written} units (test hook)")
+
+
+def _unit_checkpointer() -> ocp.Checkpointer:
+    """Orbax's PyTree checkpointer; with several processes, one of this process (0) alone: no collective."""
+    if distributed.process_count() == 1:
+        return ocp.PyTreeCheckpointer()
+    me = jax.process_index()
+    mp = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(multiprocessing_options=mp), multiprocessing_options=mp)
 
 
 class _Collector:
@@ -263,19 +277,25 @@ def convert(
         }  # fmt: skip
         fingerprint = json.loads(json.dumps(fingerprint))  # as plan.json reads back (lists, not tuples)
         work = out + PARTIAL_SUFFIX
-        _prepare_work(work, fingerprint)
+        main = distributed.is_main_process()  # several processes: process 0 prepares and finalizes
+        if main:
+            _prepare_work(work, fingerprint)
+        distributed.barrier("glm53 convert: work directory ready")
         if os.path.exists(os.path.join(work, COMPLETE)):  # finished, but stopped before the final rename
-            os.rename(work, out)
+            if main:
+                os.rename(work, out)
+            distributed.barrier("glm53 convert: renamed")
             return out
+        mine = list(plan) if main else []
         bar = (
-            tqdm(total=len(plan), desc=f"convert -> {os.path.basename(out)}", unit="unit")
-            if progress
+            tqdm(total=len(mine), desc=f"convert -> {os.path.basename(out)}", unit="unit")
+            if progress and main
             else None
         )
         writer = _Writer(work, plan, chunk_bytes, interrupt_after, bar)
-        todo = [u for u in plan if not writer.done(u)]
+        todo = [u for u in mine if not writer.done(u)]
         if bar is not None:
-            bar.update(len(plan) - len(todo))
+            bar.update(len(mine) - len(todo))
         try:
             # Routed experts from the GGUF: one unit per layer, read tensor by tensor.
             for unit in todo:
@@ -296,7 +316,10 @@ def convert(
     finally:
         if g is not None:
             g.close()
-    _finalize(work, out, plan, fingerprint, cfg, quant)
+    distributed.barrier("glm53 convert: units written")
+    if main:
+        _finalize(work, out, plan, fingerprint, cfg, quant)
+    distributed.barrier("glm53 convert: finalized")
     return out
 
 

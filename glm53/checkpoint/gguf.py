@@ -38,6 +38,7 @@ from glm53.errors import CheckpointError
 from glm53.io.gguf import GGUFError, GGUFModel, TensorInfo
 from glm53.layers.param import is_routed_expert
 from glm53.model import Glm53Model
+from glm53.parallel import distributed
 from glm53.quant import dequant
 from glm53.quant.formats import QuantFormat
 from glm53.quant.mixes import MATRICES
@@ -255,7 +256,7 @@ def _expert_value(et: ExpertTensor, abstract, put, problems: _Problems):
 
 
 def _put(path: Path, value: np.ndarray, sharding) -> jax.Array:
-    return jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
+    return distributed.put(value, sharding)  # several processes: each places only its own devices' blocks
 
 
 def load_gguf_weights(

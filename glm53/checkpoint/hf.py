@@ -34,6 +34,7 @@ from glm53.errors import CheckpointError
 from glm53.io.safetensors import SafetensorsFile
 from glm53.layers.param import path_str
 from glm53.model import Glm53Model
+from glm53.parallel import distributed
 from glm53.quant.int8 import Int8Weight, quantize_int8
 
 _log = logging.getLogger(__name__)
@@ -371,9 +372,7 @@ def _vector_sharding(sharding):
 
 
 def _default_put(path: Path, value: np.ndarray, sharding) -> jax.Array:
-    if sharding is not None:
-        return jax.device_put(value, sharding)
-    return jnp.asarray(value)
+    return distributed.put(value, sharding)  # several processes: each places only its own devices' blocks
 
 
 _SKIPPED = "parameters filled from elsewhere (skip)"

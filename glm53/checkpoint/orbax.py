@@ -47,6 +47,7 @@ from glm53.config import ModelConfig, model_config_from_dict, quant_config_from_
 from glm53.errors import CheckpointError
 from glm53.layers.param import Path, is_routed_expert, path_str
 from glm53.model import Glm53Model
+from glm53.parallel import distributed
 from glm53.quant import planes as P
 from glm53.quant.int8 import Int8Weight
 from glm53.quant.layout import layout_format
@@ -62,8 +63,9 @@ PARTIAL_SUFFIX = ".partial"
 
 
 def crc32(a) -> int:
-    """CRC-32 of an array's bytes in C order (a device array is copied to the host)."""
-    a = np.ascontiguousarray(np.asarray(a))
+    """CRC-32 of an array's bytes in C order (a device array is copied to the host; one spanning several
+    processes is gathered to each of them, `glm53.parallel.distributed.to_host`)."""
+    a = np.ascontiguousarray(distributed.to_host(a))
     return zlib.crc32(a.reshape(-1).view(np.uint8).data)
 
 

@@ -19,6 +19,7 @@ from glm53.errors import ShardingError
 from glm53.layers.dsa import DSACache
 from glm53.layers.kda import KDACache
 from glm53.model import Cache
+from glm53.parallel import distributed
 from glm53.parallel.moe import prepare_planes, wrap_moe_layers
 from glm53.parallel.rules import (
     BATCH,
@@ -75,7 +76,7 @@ def shard_model(
     rules = get_rules(rules)
     graphdef, state = nnx.split(model)
     state = _prepare_state(state, mesh, rules)
-    state = jax.device_put(state, state_shardings(state, mesh, rules))
+    state = distributed.device_put(state, state_shardings(state, mesh, rules))  # several processes: via the host
     return _dispatch(nnx.merge(graphdef, state), mesh, rules, moe_dispatch)
 
 
@@ -146,4 +147,4 @@ def cache_shardings(cache, mesh: Mesh, rules: str | Rules):
 
 def shard_cache(cache, mesh: Mesh, rules: str | Rules):
     """`cache` placed by `cache_shardings`."""
-    return jax.device_put(cache, cache_shardings(cache, mesh, rules))
+    return distributed.device_put(cache, cache_shardings(cache, mesh, rules))

@@ -38,6 +38,7 @@ from glm53.data.prepare import data_config_from_dict, prepare_data
 from glm53.errors import ConfigError, TrainingError
 from glm53.files import write_json
 from glm53.model import Glm53Model
+from glm53.parallel import distributed
 from glm53.train import plot, routing
 from glm53.train import step as S
 from glm53.train.loss import LossConfig
@@ -71,7 +72,8 @@ def run_identity(config) -> dict:
 def _check_identity(workdir: str, ident: dict) -> None:
     path = os.path.join(workdir, "run.json")
     if not os.path.exists(path):
-        write_json(path, ident)
+        if distributed.is_main_process():  # several processes: process 0 writes the run's files
+            write_json(path, ident)
         return
     with open(path, encoding="utf-8") as f:
         old = json.load(f)
@@ -87,12 +89,17 @@ def train_mesh(config, cfg) -> tuple[jax.sharding.Mesh, parallel.Rules]:
     fewer devices than there are: the first that many devices. Otherwise `glm53.build.experiment_mesh` (the
     default shape falls back to one device when the model does not split)."""
     if "mesh" not in config or config.mesh is None:
+        if jax.process_count() > 1:
+            raise ConfigError("config has no 'mesh' section: several processes need a mesh over all their devices")
         return parallel.make_mesh(parallel.MeshConfig(shape=(1, 1)), jax.devices()[:1]), parallel.get_rules(
             "tp"
         )
     mc = mesh_config_from_dict(config.mesh)
     n = math.prod(mc.shape)
     if -1 not in mc.shape and n < jax.device_count():
+        if jax.process_count() > 1:  # several processes: every process's devices must be in the mesh
+            raise ConfigError(f"config field 'mesh.shape': {mc.shape} holds {n} of the {jax.device_count()} devices "
+                              f"of {jax.process_count()} processes; use all of them (e.g. a -1)")  # fmt: skip
         mesh, rules = parallel.make_mesh(mc, jax.devices()[:n]), parallel.get_rules(mc.rules)
         parallel.check_config(cfg, mesh, rules)
         return mesh, rules
@@ -119,7 +126,11 @@ class Trainer:
         self.cfg = model_config_from_dict(config.model)
         _check_identity(self.workdir, run_identity(config))
         data_dir = os.path.join(self.workdir, "data")
-        self.manifest = prepare_data(data_config_from_dict(config.data), data_dir, log=log)
+        if distributed.is_main_process():  # several processes: process 0 prepares the data, the others read it
+            self.manifest = prepare_data(data_config_from_dict(config.data), data_dir, log=log)
+        distributed.barrier("glm53 train: data prepared")
+        if not distributed.is_main_process():
+            self.manifest = prepare_data(data_config_from_dict(config.data), data_dir, log=log)
         bpe.check_vocab(os.path.join(data_dir, "tokenizer"), self.cfg)
         kw = dict(batch_size=self.rc.batch_size, seq_len=self.rc.seq_len, pad_id=self.cfg.pad_token_id)
         self.train_data = PackedLoader(os.path.join(data_dir, "train.bin"), seed=self.rc.seed, **kw)
@@ -132,7 +143,7 @@ class Trainer:
         state = S.init_state(params, biases, self.tx)
         self.state_sh = S.state_shardings(state, self.mesh, self.rules)
         self.batch_sh = S.batch_sharding(self.mesh, self.rules, self.rc.batch_size)
-        self.state = jax.device_put(state, self.state_sh)
+        self.state = distributed.device_put(state, self.state_sh)  # several processes: via the host
         fast = self.rc.fast_compile
         self.step_fn = S.make_train_step(self.graphdef, self.rest, self.tx, self.loss_cfg, self.optim,
                                          self.router_names, fast_compile=fast,
@@ -161,7 +172,7 @@ class Trainer:
         got = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                                  meta=ocp.args.JsonRestore()))  # fmt: skip
         leaves = [got["state"][str(i)] for i in range(len(abstract))]
-        self.state = jax.device_put(jax.tree.unflatten(self.treedef, leaves), self.state_sh)
+        self.state = distributed.device_put(jax.tree.unflatten(self.treedef, leaves), self.state_sh)
         self.log(f"resumed from {self.manager.directory}/{step}")
         return step
 
@@ -185,7 +196,8 @@ class Trainer:
         total = self.optim.total_steps if steps is None else steps
         start = self.restore_latest()
         logged, path = [], os.path.join(self.workdir, "metrics.jsonl")
-        _drop_torn_line(path)
+        if distributed.is_main_process():
+            _drop_torn_line(path)
         bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True,
                    disable=not progress_enabled(self.progress))  # fmt: skip
         try:
@@ -193,14 +205,14 @@ class Trainer:
         finally:
             bar.close()
         self.manager.wait_until_finished()
-        if os.path.exists(path):
+        if os.path.exists(path) and distributed.is_main_process():
             plot.plot_losses(path, os.path.join(self.workdir, "loss.png"), log=self.log)
         return logged
 
     def _loop(self, start: int, total: int, path: str, logged: list, bar) -> None:
         t0, tokens = time.perf_counter(), 0.0
         for step in range(start, total):
-            batch = jax.device_put(self.train_data.batch(step), self.batch_sh)
+            batch = distributed.device_put(self.train_data.batch(step), self.batch_sh)  # each process: its rows
             self.state, m = self.step_fn(self.state, batch)
             self.last_loads = m.pop("loads")
             m = {k: float(v) for k, v in m.items()}
@@ -253,6 +265,8 @@ def _drop_torn_line(path: str) -> None:
 
 
 def _append(path: str, rec: dict[str, Any]) -> None:
+    if not distributed.is_main_process():  # several processes: process 0 writes the metrics
+        return
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps({k: (float(v) if isinstance(v, (np.floating, jnp.ndarray)) else v)
                             for k, v in rec.items()}) + "\n")  # fmt: skip

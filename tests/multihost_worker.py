@@ -1,0 +1,161 @@
+"""The multi-process half of tests/test_multihost.py, and the computations both halves share.
+
+Run under the launcher (2 processes x 4 CPU devices, one 8-device mesh):
+
+  python -m experiments.launch --processes=2 --devices_per_process=4 -- python tests/multihost_worker.py \
+      --ckpt=CKPT --out=DIR
+
+it restores the glm53 checkpoint CKPT (the tiny sharded model, `experiments.convert`) on the TP rules over a
+(1, 8) mesh (the "model" axis spans both processes; every leaf's checksum checked) and scores `SEQS`, trains `STEPS` steps of the tiny training model on a (2, 4) "data" x "model" mesh (data parallel
+across the processes, tensor parallel inside each), saves the trained state as an Orbax checkpoint written by
+both processes (each its own shards) under DIR/state, and process 0 writes DIR/results.npz (logits, losses, the
+trained state gathered). The test computes the same in one process of 8 devices (the functions below) and
+restores DIR/state on another mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from absl import flags  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from configs import tiny  # noqa: E402
+from configs import train as train_configs  # noqa: E402
+from experiments import cli  # noqa: E402
+from glm53 import build, scoring  # noqa: E402
+from glm53.config import model_config_from_dict  # noqa: E402
+from glm53.model import Glm53Model  # noqa: E402
+from glm53.parallel import distributed  # noqa: E402
+from glm53.train import routing  # noqa: E402
+from glm53.train import step as S  # noqa: E402
+from glm53.train.loop import train_mesh  # noqa: E402
+from glm53.train.loss import LossConfig  # noqa: E402
+
+SEQS = [[1, 5, 7, 9, 3, 2, 11, 4, 8, 6], [3, 4, 5, 6, 7]]
+TP_MESH = dict(axes=("data", "model"), shape=(1, 8), rules="tp")
+TRAIN_MESH = dict(axes=("data", "model"), shape=(2, 4), rules="tp")
+BATCH, SEQ, STEPS = 4, 16, 3
+
+
+# ------------------------------------------------------------------------------------------------ scoring
+def score_config(mesh_section: dict) -> ml_collections.ConfigDict:
+    c = tiny.get_config("sharded")
+    c.mesh = ml_collections.ConfigDict(mesh_section)
+    return c
+
+
+def tp_logits(weights: str) -> list[np.ndarray]:
+    """Logits of `SEQS` by the checkpoint `weights` on `TP_MESH` (every process gets them all)."""
+    config = ml_collections.ConfigDict({"mesh": TP_MESH})  # the model's shape comes from the weights
+    run = build.sharded_model(config, weights=weights, with_mtp=False)
+    logits, _ = scoring.score(run.model, SEQS)
+    return logits
+
+
+# ------------------------------------------------------------------------------------------------ training
+def train_setup(mesh_section: dict):
+    """(mesh, state, (state shardings, batch sharding), step) of the tiny training model (as
+    tests/test_train_sharded.py, without the MTP loss: a shorter compile), the state placed through the host
+    (`distributed.put_tree`)."""
+    c = train_configs.get_config("tiny")
+    c.model.vocab_size = 256
+    c.model.linear_num_heads = c.model.num_attention_heads = 4
+    c.model.num_hidden_layers = 2
+    c.model.layer_types, c.model.mlp_layer_types, c.model.indexer_types = (
+        ["kda", "dsa"],
+        ["dense", "moe"],
+        ["full"] * 2,
+    )
+    c.mesh = ml_collections.ConfigDict(mesh_section)
+    cfg = model_config_from_dict(c.model)
+    model = Glm53Model(cfg, rngs=nnx.Rngs(0), kernels={"moe": "reference"})
+    names = routing.instrument_routers(model)
+    graphdef, params, biases, rest = S.split_model(model)
+    optim = S.OptimConfig(lr=1e-3, warmup_steps=1, total_steps=STEPS + 1, bias_gamma=0.01, eps=1e-3)
+    tx = S.optimizer(optim)
+    mesh, rules = train_mesh(c, cfg)
+    state = S.init_state(params, biases, tx)
+    sh = (S.state_shardings(state, mesh, rules), S.batch_sharding(mesh, rules, BATCH))
+    step = S.make_train_step(graphdef, rest, tx, LossConfig(mtp_weight=0.0, balance_weight=1e-3), optim, names,
+                             fast_compile=True, shardings=sh)  # fmt: skip
+    return mesh, distributed.put_tree(state, sh[0]), sh, step
+
+
+def batches() -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(STEPS):
+        tokens = rng.integers(1, 256, (BATCH, SEQ)).astype(np.int32)
+        mask = np.ones((BATCH, SEQ), np.int32)
+        mask[1, 11:] = 0
+        tokens[1, 11:] = 0
+        out.append(dict(tokens=tokens, mask=mask))
+    return out
+
+
+def train(mesh_section: dict):
+    """(state, losses) after `STEPS` steps; each process puts only its rows of every batch on its devices."""
+    _, state, sh, step = train_setup(mesh_section)
+    losses = []
+    for b in batches():
+        state, m = step(state, distributed.put_tree(b, sh[1]))
+        losses.append(float(m["loss"]))
+    return state, losses
+
+
+def state_leaves(state) -> dict[str, jax.Array]:
+    return {str(i): x for i, x in enumerate(jax.tree.leaves(state))}
+
+
+def save_state(state, path: str) -> None:
+    """The state's leaves as an Orbax checkpoint (as `glm53.train.loop.Trainer.save`): every process writes
+    the shards of its devices."""
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(path, state_leaves(state))
+    ckptr.wait_until_finished()
+
+
+def restore_state(path: str, like) -> dict[str, jax.Array]:
+    """The leaves of a `save_state` checkpoint, each read straight into the sharding of `like`'s leaf."""
+    abstract = {
+        k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for k, x in state_leaves(like).items()
+    }
+    return ocp.StandardCheckpointer().restore(path, abstract)
+
+
+# ------------------------------------------------------------------------------------------------ main
+_OUT = flags.DEFINE_string("out", None, "output folder (exists)")
+_CKPT = flags.DEFINE_string("ckpt", None, "glm53 checkpoint of the tiny sharded model")
+
+
+def main(argv):
+    del argv
+    out = _OUT.value
+    logits = tp_logits(_CKPT.value)
+    state, losses = train(TRAIN_MESH)
+    save_state(state, os.path.join(out, "state"))
+    gathered = {f"state_{k}": distributed.to_host(x) for k, x in state_leaves(state).items()}
+    if distributed.is_main_process():
+        arrays = {f"logits_{i}": lg for i, lg in enumerate(logits)}
+        np.savez(
+            os.path.join(out, "results.npz"), losses=np.asarray(losses, np.float64), **arrays, **gathered
+        )
+        with open(os.path.join(out, "devices.json"), "w") as f:
+            json.dump({"processes": jax.process_count(), "devices": jax.device_count(),
+                       "local_devices": jax.local_device_count()}, f)  # fmt: skip
+    distributed.barrier("multihost_worker done")
+
+
+if __name__ == "__main__":
+    cli.run(main)
