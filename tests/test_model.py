@@ -37,6 +37,11 @@ def pair(request, tmp_path_factory):
 
 # Every cache below holds T_LONG positions (and generation runs share one length), so that tests of one seed share
 # compiled programs: the shapes of a step are (tokens [B, T], cache [B, T_LONG]); compiling dominates this file.
+# The cache identities (decode == prefill, pieces == one shot, streams together == alone, EOS) hold for any
+# weights: they run on seed 0 only (the parity tests against transformers run on both seeds).
+SEED0 = pytest.mark.parametrize("pair", [0], indirect=True, ids=["seed0"])
+
+
 def one_shot(gen, ids):
     cache = gen.init_cache(ids.shape[0], T_LONG)
     _, logits, _ = gen.forward(cache, ids)
@@ -65,6 +70,7 @@ def test_dense_attention_does_not_match(pair):
     assert rel(dense, hf_logits(hf_dense, pair["ids"]).numpy()[0]) <= 1e-4
 
 
+@SEED0
 def test_prefill_then_decode_equals_prefill(pair):
     gen, ids, ref = pair["gen"], pair["ids"], pair["ref"]
     t = 100
@@ -77,6 +83,7 @@ def test_prefill_then_decode_equals_prefill(pair):
     assert int(cache.length[0]) == t
 
 
+@SEED0
 def test_piecewise_prefill_equals_one_shot(pair):
     gen, ids, ref = pair["gen"], pair["ids"], pair["ref"]
     cache = gen.init_cache(1, T_LONG)
@@ -87,6 +94,7 @@ def test_piecewise_prefill_equals_one_shot(pair):
     assert rel(np.concatenate(pieces), ref) <= 1e-4
 
 
+@SEED0
 def test_streams_at_different_positions_equal_each_alone(pair):
     """Two streams with different prompt lengths, prefilled into one cache and decoded together."""
     gen, ids = pair["gen"], pair["ids"]
@@ -122,6 +130,7 @@ def test_greedy_generation_matches_transformers_generate(pair):
     assert len(ref) == 32 and res.tokens[0] == ref
 
 
+@SEED0
 def test_eos_stops_generation(pair):
     gen = pair["gen"]
     prompt = list(pair["ids"][0, :20])
