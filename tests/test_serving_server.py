@@ -431,31 +431,35 @@ def test_tool_calls_round_trip_through_the_sdks(server):
     atools = [{"name": "get_weather", "description": "Current weather.", "input_schema": WEATHER}]
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
     force = {"type": "function", "function": {"name": "get_weather"}}
-    r = c.chat.completions.create(model=MODEL, messages=msgs, tools=otools, tool_choice=force, max_tokens=8,
+    r = c.chat.completions.create(model=MODEL, messages=msgs, tools=otools, tool_choice=force, max_tokens=16,
                                   temperature=0)  # fmt: skip
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
     call = ch.message.tool_calls[0]
     assert call.type == "function" and call.function.name == "get_weather" and call.id
     assert isinstance(json.loads(call.function.arguments), dict)  # a JSON object, always
+    # Decoded under the JSON constraint (glm53.serving.constrain: the schema's keys, a string for "city"), the mini
+    # model writes {"city": "..."} (unconstrained, its arguments were not JSON and fell back to {}).
+    args = json.loads(call.function.arguments)
+    assert list(args) == ["city"] and isinstance(args["city"], str)
     text, prefix = _expected_prompt(None)
     assert r.usage.prompt_tokens == _n_tokens(text) + _n_tokens(prefix)
     # Streaming: the name first, then the arguments; the same call.
     chunks = list(c.chat.completions.create(model=MODEL, messages=msgs, tools=otools, tool_choice=force,
-                                            max_tokens=8, temperature=0, stream=True))  # fmt: skip
+                                            max_tokens=16, temperature=0, stream=True))  # fmt: skip
     deltas = [tc for x in chunks if x.choices for tc in (x.choices[0].delta.tool_calls or ())]
     assert deltas[0].function.name == "get_weather" and deltas[0].id
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # Anthropic, forced by {"type": "tool"}: the same prompt, the same arguments.
-    m = a.messages.create(model=MODEL, max_tokens=8, messages=msgs, tools=atools,
+    m = a.messages.create(model=MODEL, max_tokens=16, messages=msgs, tools=atools,
                           tool_choice={"type": "tool", "name": "get_weather"}, extra_body=GREEDY)  # fmt: skip
     use = [b for b in m.content if b.type == "tool_use"]
     assert m.stop_reason == "tool_use" and len(use) == 1 and use[0].name == "get_weather"
     assert (
         use[0].input == json.loads(call.function.arguments) and m.usage.input_tokens == r.usage.prompt_tokens
     )
-    with a.messages.stream(model=MODEL, max_tokens=8, messages=msgs, tools=atools, extra_body=GREEDY,
+    with a.messages.stream(model=MODEL, max_tokens=16, messages=msgs, tools=atools, extra_body=GREEDY,
                            tool_choice={"type": "tool", "name": "get_weather"}) as s:  # fmt: skip
         kinds = [(e.type, getattr(getattr(e, "delta", None), "type", None)) for e in s]
         final = s.get_final_message()

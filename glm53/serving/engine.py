@@ -13,6 +13,8 @@ Options: `prefix_cache_bytes` > 0: a prompt sharing whole blocks of `prefix_bloc
 resumes from their snapshots (glm53.serving.prefix; chunks then end on block boundaries, 4 more programs);
 `speculative=True`: the decode step verifies each slot's MTP draft (glm53.serving.speculative; the decode,
 prefill and insert programs are its variants, which also keep the MTP cache).
+Constrained decoding (`Request.constraint`, glm53.serving.constrain): the decode and insert programs always take a
+bool mask [B, V] / [1, V] of the allowed next tokens (all true, already on the device, when no slot is constrained).
 One host transfer of all slots' tokens per decode step. Stops: EOS ids, stop strings (on the detokenized text;
 text that may begin a stop string is held back), max_tokens, the cache's length, cancellation (frees the slot).
 `submit` / `cancel` are thread-safe (bounded queue: `QueueFull` when full); `step` runs in one thread.
@@ -125,6 +127,7 @@ class Engine:
         self._tokens = np.zeros(slots, np.int32)
         self._drafts = np.zeros(slots, np.int32)  # speculative: each slot's draft of the token after its next
         self._ids = 0
+        self._true: dict[int, jax.Array] = {}  # n -> the all-true mask [n, V] (no slot constrained)
         self.warm = False
 
     # ------------------------------------------------------------------------------------------- programs
@@ -136,10 +139,10 @@ class Engine:
             return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counts)
 
         @functools.partial(jit, donate_argnums=(1,))
-        def decode(state, cache, tokens, drafts, active, verify, counts, seeds, temp, top_p, top_k):
+        def decode(state, cache, tokens, drafts, active, verify, mask, counts, seeds, temp, top_p, top_k):
             m = nnx.merge(gd, state)
             h, new = m.hidden(tokens[:, None], cache=cache)
-            logits = m.logits(h)[:, -1]
+            logits = jnp.where(mask, m.logits(h)[:, -1], -jnp.inf)  # mask [B, V]: constrained decoding
             new = new.replace(length=jnp.where(active, new.length, cache.length))
             return sampling.sample(logits, keys(seeds, counts), temp, top_p, top_k), new
 
@@ -150,7 +153,8 @@ class Engine:
             return m.logits(h[:, -1:])[:, -1], h[:, -1:], staging
 
         @functools.partial(jit, donate_argnums=(1,))
-        def insert(state, cache, staging, slot, logits, h_last, seed, temp, top_p, top_k):
+        def insert(state, cache, staging, slot, logits, h_last, mask, seed, temp, top_p, top_k):
+            logits = jnp.where(mask, logits, -jnp.inf)
             cache = jax.tree.map(
                 lambda a, s: jax.lax.dynamic_update_slice_in_dim(a, s.astype(a.dtype), slot, axis=0),
                 cache, staging,
@@ -174,8 +178,8 @@ class Engine:
     def warmup(self, log: Callable[[str], None] | None = None) -> float:
         """Compiles every program once (a line per program to `log`); returns the seconds it took."""
         t0 = time.perf_counter()
-        b, z = self.slots, np.zeros(self.slots, bool)
-        self._run_decode(z, z, np.zeros(b, np.int32), self._sampling_args([None] * b, b))
+        b, z, none = self.slots, np.zeros(self.slots, bool), [None] * self.slots
+        self._run_decode(z, z, self._masks(none), np.zeros(b, np.int32), self._sampling_args(none, b))
         if log:
             log(f"compiled decode [{b} slots{', speculative' if self.speculative else ''}] "
                 f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
@@ -205,16 +209,32 @@ class Engine:
         return logits, staging
 
     def _run_insert(self, staging: Cache, slot: int, logits, seq) -> int:
-        args = self._sampling_args([seq], 1)
+        args = self._masks([seq]), *self._sampling_args([seq], 1)
         out, self.cache = self._insert(self.state, self.cache, staging, slot, logits, self._h, *args)
         tok, self._drafts[slot] = np.asarray(out)
         return int(tok)
 
-    def _run_decode(self, active, verify, counts, args) -> np.ndarray:
+    def _run_decode(self, active, verify, mask, counts, args) -> np.ndarray:
         """tokens [B] (plain), or rows (y0, y1, accepted, next draft) [B, 4] (speculative): the host transfer."""
-        a = (self.state, self.cache, self._tokens, self._drafts, active, verify, counts, *args)
+        a = (self.state, self.cache, self._tokens, self._drafts, active, verify, mask, counts, *args)
         out, self.cache = self._decode(*a)
         return np.asarray(out)
+
+    # ---- constrained decoding (Request.constraint): a bool mask [n, V] per step; no slot constrained: the
+    # all-true mask already on the device (no transfer). Every program always takes it: no program added.
+    def _masks(self, seqs) -> jax.Array:
+        n, v = len(seqs), self.cfg.vocab_size
+        rows = [(i, s) for i, s in enumerate(seqs) if s is not None and s.req.constraint is not None]
+        if not rows:
+            if n not in self._true:
+                self._true[n] = jnp.ones((n, v), bool)
+            return self._true[n]
+        m = np.ones((n, v), bool)
+        for i, s in rows:
+            a = np.asarray(s.req.constraint.allowed(s.stop.text, len(s.generated)), bool)[:v]
+            m[i] = False
+            m[i, : len(a)] = a
+        return jnp.asarray(m)  # a device array like the all-true one (a numpy one would be another program)
 
     def _sampling_args(self, seqs, n):
         seeds, temp = np.zeros(n, np.uint32), np.zeros(n, np.float32)
@@ -237,6 +257,8 @@ class Engine:
         if len(p) + req.max_tokens > self.max_len:
             raise ValueError(f"max_tokens: the prompt's {len(p)} tokens + max_tokens {req.max_tokens} exceed the "
                              f"context of {self.max_len} tokens")  # fmt: skip
+        if req.constraint is not None and self.detokenize is None:
+            raise ValueError("constraint: constrained decoding needs the engine's detokenize (the text so far)")
 
     def submit(self, req: Request, sink: Sink) -> str:
         """Queues a request (thread-safe); returns its id. ValueError for a bad request, QueueFull when full."""
@@ -373,9 +395,11 @@ class Engine:
             if s is not None:
                 active[i], counts[i] = True, len(s.generated)
         drafts = self._drafts.copy()
-        verify = np.asarray([s is not None and s.req.temperature <= 0 and not s.forced for s in seqs])
+        verify = np.asarray([s is not None and s.req.temperature <= 0 and not s.forced
+                             and s.req.constraint is None for s in seqs])  # fmt: skip
         t0 = time.perf_counter()
-        out = self._run_decode(active, verify, counts, self._sampling_args(seqs, b))  # the one host transfer
+        mask = self._masks(seqs)
+        out = self._run_decode(active, verify, mask, counts, self._sampling_args(seqs, b))  # one host transfer
         self.stats["decode_us"] += int(1e6 * (time.perf_counter() - t0))
         self.stats["steps"] += 1
         for i, s in enumerate(seqs):

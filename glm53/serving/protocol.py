@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from glm53.serving import tools as T
+from glm53.serving.constrain import Constraint, TokenTable
 from glm53.serving.engine import Request
 from glm53.serving.reasoning import THINK_CLOSE, THINK_OPEN, anthropic_thinking, openai_thinking
 
@@ -238,13 +239,25 @@ def _stop(stop) -> tuple[str, ...]:
 
 
 def _request(prompt, max_tokens, r, stop, default_max: int, mode: T.ToolMode | None = None,
-             think_budget: tuple[int, list[int]] | None = None) -> Request:  # fmt: skip
-    """A forced named call stops as soon as its arguments are a whole JSON object or can no longer be one."""
-    until = T.arguments_done if mode is not None and mode.force else None
+             think_budget: tuple[int, list[int]] | None = None, tok=None) -> Request:  # fmt: skip
+    """A forced call (with `tok`) is decoded under a constraint (glm53.serving.constrain): its arguments (and its
+    name, when the model picks the tool) always parse, a named tool's top-level keys are its schema's properties
+    (unless additionalProperties is true) and their values begin as their `type`, and it stops as soon as the
+    object closes (without `tok`:
+    unconstrained, it stops when its arguments are a whole JSON object or can no longer be one)."""
+    until, constraint = (T.arguments_done if mode is not None and mode.force else None), None
+    if mode is not None and mode.force is not None and tok is not None:
+        names = () if mode.force else [t.name for t in mode.tools]
+        schema = next((t.parameters for t in mode.tools if t.name == mode.force), None)
+        props = schema.get("properties") if isinstance(schema, dict) else None
+        keys = list(props) if isinstance(props, dict) and schema.get("additionalProperties") is not True else []
+        types = {k: props[k].get("type") for k in keys if isinstance(props[k], dict)}
+        constraint = Constraint(TokenTable.of(tok), names, max_tokens or default_max, keys, types)
+        until = constraint.done
     try:
         return Request(prompt=prompt, max_tokens=max_tokens or default_max, temperature=r.temperature,
                        top_p=r.top_p, top_k=r.top_k, seed=getattr(r, "seed", None) or 0, stop=stop,
-                       until=until, think_budget=think_budget)  # fmt: skip
+                       until=until, think_budget=think_budget, constraint=constraint)  # fmt: skip
     except ValueError as e:
         raise ApiError(400, str(e), str(e).split("=")[0]) from None
 
@@ -258,7 +271,7 @@ def openai_chat(r: ChatRequest, tok, max_len: int) -> Generation:
     inc = bool(r.stream_options and r.stream_options.include_usage)
     default = max(1, max_len - len(prompt))
     stop = _stop(r.stop) + ((T.CALL_CLOSE,) if mode and mode.force is not None else ())
-    return Generation(_request(prompt, r.max_completion_tokens or r.max_tokens, r, stop, default, mode),
+    return Generation(_request(prompt, r.max_completion_tokens or r.max_tokens, r, stop, default, mode, tok=tok),
                       r.stream, inc, mode, thinking)  # fmt: skip
 
 
@@ -304,7 +317,7 @@ def anthropic_messages(r: MessagesRequest, tok) -> Generation:
                        "thinking.budget_tokens")  # fmt: skip
     close = list(tok.encode(THINK_CLOSE, add_special_tokens=False)) if budget is not None else []
     req = _request(anthropic_prompt(r, tok, mode, thinking), r.max_tokens, r, stop, r.max_tokens, mode,
-                   (budget, close) if budget is not None else None)  # fmt: skip
+                   (budget, close) if budget is not None else None, tok)  # fmt: skip
     return Generation(req, r.stream, tools=mode, thinking=thinking)
 
 

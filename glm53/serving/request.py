@@ -32,6 +32,10 @@ class Request:
     # Thinking's budget (glm53.serving.reasoning): (N, the ids of `</think>`): after N generated tokens without
     # those ids, they are fed in place of the next sampled tokens, which ends the reasoning.
     think_budget: tuple[int, list[int]] | None = None
+    # Constrained decoding (glm53.serving.constrain.Constraint): `allowed(text, n) -> bool [V]` (the text and the
+    # number of tokens so far) masks the logits of every sampled token, the first one included; the slot never
+    # accepts MTP drafts.
+    constraint: object | None = None
 
     def __post_init__(self):
         sampling.check_params(self.temperature, self.top_p, self.top_k)

@@ -6,8 +6,9 @@ A chat generation is split by `Pieces` into reasoning (glm53.serving.reasoning),
 content blocks (or the event stream: `message_start`, `content_block_start` / `_delta` (thinking_delta,
 text_delta, input_json_delta) / `_stop` per block, `message_delta` with the stop reason and usage,
 `message_stop`). A forced call's name is known before its arguments are generated, so its block (its
-`tool_calls` delta) opens at once; every call's arguments are sent when the generation ends (the fall-back to
-`{}` may replace them).
+`tool_calls` delta) opens at once; every call's arguments are sent when the generation ends, parsed (a call the
+model chose freely falls back to `{}` when its arguments are not JSON; a forced call's are decoded under the JSON
+constraint of glm53.serving.constrain and always parse).
 """
 
 from __future__ import annotations

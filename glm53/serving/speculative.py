@@ -12,7 +12,7 @@ A sampled slot never accepts, so it draws from exactly the plain step's distribu
 and every slot can share the one program (no per-batch choice of program, and the MTP cache stays complete).
 Nor does a slot whose next token is forced (Request.think_budget): the forced token replaces the emitted one,
 which must not be a draft already in the cache (its MTP pair then holds the sampled token: a worse next draft,
-never a wrong token).
+never a wrong token). Nor does a constrained slot (Request.constraint): y0 is drawn from its masked logits.
 The MTP block then runs on the pairs (h_n, e0), (h_n+1, y1) with e0 = d when accepted, else y0; the next draft
 is its argmax at the last valid pair. Greedy output is exactly plain greedy decoding's (tests/test_serving_spec.py).
 
@@ -58,14 +58,15 @@ def build(graphdef, jit, keys):
     makes the per-slot sampling keys, `jit` compiles."""
     gd = graphdef
 
-    def decode(state, cache, tokens, drafts, active, verify, counts, seeds, temp, top_p, top_k):
+    def decode(state, cache, tokens, drafts, active, verify, mask, counts, seeds, temp, top_p, top_k):
         """-> int32 [B, 4] (y0, y1, accepted, next draft) and the cache (lengths +2 / +1 / +0 inactive).
-        verify [B]: the slots whose draft may be accepted (active, greedy, no token forced next)."""
+        verify [B]: the slots whose draft may be accepted (active, greedy, no token forced next, unconstrained);
+        mask [B, V]: the tokens y0 may be (constrained decoding; y1 only counts where verify)."""
         m = nnx.merge(gd, state)
         n = cache.length
         h, new = m.hidden(jnp.stack([tokens, drafts], axis=1), cache=_with_first(cache))
         logits = m.logits(h)  # [B, 2, V]
-        y0 = sampling.sample(logits[:, 0], keys(seeds, counts), temp, top_p, top_k)
+        y0 = sampling.sample(jnp.where(mask, logits[:, 0], -jnp.inf), keys(seeds, counts), temp, top_p, top_k)
         y1 = jnp.argmax(logits[:, 1], axis=-1).astype(jnp.int32)
         acc = verify & active & (temp <= 0) & (y0 == drafts)
         dl, new = m.mtp_logits(h, jnp.stack([jnp.where(acc, drafts, y0), y1], axis=1), cache=new)
@@ -86,9 +87,10 @@ def build(graphdef, jit, keys):
         _, staging = m.mtp_logits(h, nxt, cache=staging.replace(length=end), last_only=True)
         return m.logits(h[:, -1:])[:, -1], h[:, -1:], staging
 
-    def insert(state, cache, staging, slot, logits, h_last, seed, temp, top_p, top_k):
+    def insert(state, cache, staging, slot, logits, h_last, mask, seed, temp, top_p, top_k):
         """-> int32 [2] (first token, its draft) and the cache with the staging cache in row `slot`."""
         m = nnx.merge(gd, state)
+        logits = jnp.where(mask, logits, -jnp.inf)  # [1, V]: a constrained request's first token
         tok = sampling.sample(logits, keys(seed, jnp.zeros((1,), jnp.int32)), temp, top_p, top_k)
         dl, staging = m.mtp_logits(h_last, tok[:, None], cache=staging)
         cache = jax.tree.map(

@@ -11,14 +11,14 @@ The model answers a call in the same form; `parse` splits a generation into cont
 
 Forcing a call (OpenAI `tool_choice` naming a function or "required"; Anthropic `{"type": "tool"}` / "any"):
 the text up to the arguments, `<tool_call>NAME\\n`, is fed as forced tokens after the generation prompt, and the
-model generates the arguments up to `</tool_call>`. The arguments are NOT constrained while decoding: they are
-generated, then parsed, and replaced by `{}` when they do not begin with a JSON object (generate-then-fall-back; a
-small model's arguments are often not JSON); the generation ends as soon as the object's braces close or its
-first character is not `{` (`arguments_done`), so a forced call never runs on to max_tokens. With "required" / "any" and several tools, the name is generated too
-(only `<tool_call>` is forced) and an unknown name falls back to the first tool. `tool_choice` "none": the tools
+model generates the arguments under a constraint (glm53.serving.constrain, built by glm53.serving.protocol):
+every sampled token must keep the text a prefix of a JSON object that can still close within max_tokens, so the
+arguments always parse and the generation ends as soon as the object closes. With "required" / "any" and several
+tools, only `<tool_call>` is forced and the constraint also makes the generated name one of the tools' (an unknown
+name, possible only without a constraint, falls back to the first tool). `_arguments` still replaces arguments
+that do not parse by `{}` (only unconstrained generation can produce them). `tool_choice` "none": the tools
 are not offered at all. Streaming: content is sent as it comes except a tail that may begin `<tool_call>`;
-calls are sent when the generation ends (a forced call's name at once, its arguments at the end, since the
-fall-back may replace them).
+calls are sent when the generation ends (a forced call's name at once, its arguments at the end).
 """
 
 from __future__ import annotations
