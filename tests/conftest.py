@@ -55,6 +55,7 @@ LONGEST_FIRST = (
     "test_serving_engine.py",
     "test_serving_spec.py",
     "test_serving_prefix.py",
+    "test_serving_constrain.py",
     "test_ablate.py",
     "test_imatrix.py",
     "test_dsa.py",

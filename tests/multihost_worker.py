@@ -135,14 +135,10 @@ def restore_state(path: str, like) -> dict[str, jax.Array]:
 
 
 # ------------------------------------------------------------------------------------------------ main
-_OUT = flags.DEFINE_string("out", None, "output folder (exists)")
-_CKPT = flags.DEFINE_string("ckpt", None, "glm53 checkpoint of the tiny sharded model")
-
-
 def main(argv):
     del argv
-    out = _OUT.value
-    logits = tp_logits(_CKPT.value)
+    out = flags.FLAGS.out
+    logits = tp_logits(flags.FLAGS.ckpt)
     state, losses = train(TRAIN_MESH)
     save_state(state, os.path.join(out, "state"))
     gathered = {f"state_{k}": distributed.to_host(x) for k, x in state_leaves(state).items()}
@@ -158,4 +154,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    # Flags only when run as the worker: tests/test_multihost.py imports this module for its helpers, and a
+    # module-level --out would clash with an entry point's own --out imported later in the same pytest worker.
+    flags.DEFINE_string("out", None, "output folder (exists)")
+    flags.DEFINE_string("ckpt", None, "glm53 checkpoint of the tiny sharded model")
     cli.run(main)

@@ -114,6 +114,6 @@ def test_generate_entry_point():
     assert r.returncode == 0, r.stderr[-2000:]
     assert "new ids:" in r.stdout and "tok/s" in r.stdout
     r = _run("experiments.generate", "--config=configs/tiny.py", "--prompt_ids=1,2,3,4,5,6,7", "--max_new=6",
-             "--speculative")  # fmt: skip
+             "--speculative", "--repeats=1")  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     assert "MTP drafts accepted" in r.stdout
