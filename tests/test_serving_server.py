@@ -1,6 +1,6 @@
 """`python -m experiments.serve` on the shipped model, driven by the official `openai` and `anthropic` SDKs.
 
-One server process for the module (a free loopback port, an API key, 4 slots, a queue of 12). Greedy requests
+One server process for the module (a free loopback port, an API key, 4 slots, a queue of 16). Greedy requests
 are deterministic, so "alone" (one at a time) and "together" (concurrent streams over the shared batch) must give
 the same text; both APIs render the same conversation with the model's chat template, so they agree too.
 """
@@ -31,7 +31,7 @@ def server(tmp_path_factory):
     # One CPU device; the least XLA optimization: compiles in ~60% of the time (start-up dominates this module).
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
            "XLA_FLAGS": "--xla_backend_optimization_level=0"}  # fmt: skip
-    args = [sys.executable, "-m", "experiments.serve", "--port=0", "--slots=4", "--max_len=256", "--max_queue=12",
+    args = [sys.executable, "-m", "experiments.serve", "--port=0", "--slots=4", "--max_len=256", "--max_queue=16",
             "--buckets=1,16", f"--api_key={KEY}", "--compilation_cache="]  # fmt: skip
     log = tmp_path_factory.mktemp("serve") / "log.txt"
     with open(log, "w") as out:
@@ -256,7 +256,7 @@ def test_concurrent_streams_equal_each_alone(server):
         t.start()
     for t in threads:
         t.join(120)
-    assert together == alone  # 16 streams over 4 slots (12 waiting): joins, leaves, nothing lost or mixed
+    assert together == alone  # 16 streams over 4 slots (the rest waiting): joins, leaves, nothing lost or mixed
     assert len(set(alone)) > 1
 
 
@@ -275,7 +275,7 @@ def test_disconnect_frees_the_slot_and_a_full_queue_refuses(server):
         assert time.time() < deadline, "the disconnected stream was not cancelled"
         time.sleep(0.2)
     assert json.loads(_get(server, "/health")[1])["busy_slots"] == 0
-    # 32 requests at once: 4 slots + 12 waiting; the rest are refused with 429 in the API's error shape.
+    # 32 requests at once: 4 slots + 16 waiting; the rest are refused with 429 in the API's error shape.
     statuses = []
 
     def one(i):
