@@ -129,8 +129,13 @@ _IDS = [c[0] for c in CASES]
 
 @functools.cache
 def case_data(name: str):
-    _, t, k, e, d, f, fg, fu, fd, splits = next(c for c in CASES if c[0] == name)
-    rng = np.random.default_rng(100 + _IDS.index(name))
+    return make_case(next(c for c in CASES if c[0] == name), 100 + _IDS.index(name))
+
+
+def make_case(case, seed: int) -> dict:
+    """Random weights (gate / up / down in the case's formats), tokens, routing and the f64 oracle output."""
+    _, t, k, e, d, f, fg, fu, fd, splits = case
+    rng = np.random.default_rng(seed)
     gate, wg = make_matrix(fg, e, f, d, rng)
     up, wu = make_matrix(fu, e, f, d, rng)
     down, wd = make_matrix(fd, e, d, f, rng, splits)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_moe_pallas import _FAST_COMPILE, LIMIT, _assert_close, make_matrix, moe_f64, routing
+from test_moe_pallas import _FAST_COMPILE, LIMIT, _assert_close, make_case, make_matrix, moe_f64, routing
 
 from glm53.quant.qweight import QuantizedExperts
 from kernels.moe import api
@@ -43,17 +43,7 @@ TOKEN_GROUP = 4
 
 @functools.cache
 def case_data(name: str):
-    _, t, k, e, d, f, fg, fu, fd, splits = next(c for c in CASES if c[0] == name)
-    rng = np.random.default_rng(200 + _IDS.index(name))
-    gate, wg = make_matrix(fg, e, f, d, rng)
-    up, wu = make_matrix(fu, e, f, d, rng)
-    down, wd = make_matrix(fd, e, d, f, rng, splits)
-    x = rng.standard_normal((t, d)).astype(np.float32)
-    ids, wts = routing(t, k, e, rng, empty=t > 1)
-    oracle = (wg, wu, wd)
-    return dict(
-        x=x, ids=ids, w=wts, gate=gate, up=up, down=down, oracle=oracle, y=moe_f64(x, ids, wts, *oracle)
-    )
+    return make_case(next(c for c in CASES if c[0] == name), 200 + _IDS.index(name))
 
 
 def _fn(path: str, interpret: bool):
