@@ -4,6 +4,10 @@ and off; the decode step's cost against the distinct experts it touched (glm53.b
   python -m experiments.bench_serve                                   # the shipped model, 1 2 4 8 16 streams
   python -m experiments.bench_serve --mtp=both --prefix_cache=both --out=serve.json --png=serve.png
   python -m experiments.bench_serve --config=configs/tiny.py --streams=1,2 --max_new=8 --out=/tmp/b.json
+  python -m experiments.bench_serve --config=configs/tiny.py:small --streams=1,2,4,8,16 --prompt_len=16 \
+      --shared_prefix=0 --max_new=64               # random weights, a weight-bandwidth-bound decode step
+  python -m experiments.bench_serve --slots=16 --narrow=both  # 16 slots whatever N: narrow steps on and off
+  python -m experiments.bench_serve --step_costs --streams=1,2,4,8,16   # the decode step alone, per compile option
 
 For each stream count N and each setting: an engine of --slots slots (default: N, the smallest batch that holds
 them) is compiled and warmed, then N greedy requests (prompts of --prompt_len tokens whose first --shared_prefix
@@ -11,7 +15,11 @@ tokens are common to all, --max_new tokens each, no EOS) are submitted at once a
 thread. Per row: total and per-stream tokens/s, TTFT and ITL p50 / p99 in ms, decode steps and their mean time,
 the prefix cache's saved prefill tokens, MTP's acceptance, and (MTP off) the mean distinct experts per MoE layer
 per decode step. The last line is the ratio of the largest N's total tokens/s to one stream's. --out writes the
-rows as JSON, --png plots them (needs matplotlib).
+rows as JSON, --png plots them (needs matplotlib). --narrow=off runs every decode step over all slots (the
+engine's default runs the smallest width 1, 2, 4, ... covering the busy slots: glm53.serving.programs).
+--step_costs times the decode step alone instead (no requests): at each --streams count as slots, under each
+set of compile options in STEP_OPTIONS, and the narrow widths of one engine of the largest count, all
+interleaved in this process (p10 and median per program: ratios hold on a loaded machine).
 """
 
 import jax
@@ -39,7 +47,17 @@ _EXPERTS = flags.DEFINE_bool("distinct_experts", True, "replay the routing: dist
 _OUT = flags.DEFINE_string("out", None, "write the rows as JSON here")
 _PNG = flags.DEFINE_string("png", None, "plot the rows here (matplotlib)")
 _CACHE = flags.DEFINE_string("compilation_cache", "", "JAX persistent compilation cache folder ('' = off)")
+_NARROW = flags.DEFINE_enum("narrow", "on", ["off", "on", "both"], "decode steps over the busy slots' width only")
+_STEP_COSTS = flags.DEFINE_bool("step_costs", False, "time the decode step alone per slots / compile options")
+_ROUNDS = flags.DEFINE_integer("rounds", 200, "--step_costs: calls of each program (interleaved)")
 _MOE_IMPL = cli.define_moe_impl_flag()
+
+# --step_costs: name -> compile options on top of the engine's CPU defaults (None: drop that default)
+STEP_OPTIONS = {
+    "engine default": {},
+    "YNNPACK fusions on (XLA's default)": {"xla_cpu_experimental_ynn_fusion_type": None},
+    "YNNPACK fusions off": {"xla_cpu_experimental_ynn_fusion_type": ""},
+}
 
 
 def _settings(flag: str) -> list[bool]:
@@ -80,17 +98,21 @@ def main(argv):
     if with_mtp and model.mtp is None:
         raise app.UsageError("--mtp: this model has no MTP block")
     print(label or weights or f"config {cli.config_name('config')} (random weights)", flush=True)
+    if _STEP_COSTS.value:
+        return _step_costs(model, streams)
     rows, traces = [], []
     for n in streams:
         for mtp in mtp_settings:
-            for prefix in _settings(_PREFIX.value):
+            for prefix, narrow in ((p, w) for p in _settings(_PREFIX.value) for w in _settings(_NARROW.value)):
                 kw = {"speculative": True} if mtp else {}
+                if not narrow:
+                    kw["decode_widths"] = (_SLOTS.value or n,)
                 if prefix:
                     kw["prefix_cache_bytes"] = _PREFIX_MB.value << 20
                 row, trace = S.run_streams(model, cfg.vocab_size, n, slots=_SLOTS.value or n,
                                            prompt_len=_PROMPT_LEN.value, max_new=_MAX_NEW.value,
                                            shared=_SHARED.value, engine_kwargs=kw)  # fmt: skip
-                row.update(mtp=mtp, prefix_cache=prefix)
+                row.update(mtp=mtp, prefix_cache=prefix, narrow=narrow)
                 rows.append(row)
                 if not mtp:
                     traces.append((row, trace))
@@ -104,10 +126,10 @@ def main(argv):
         for row, trace in traces:
             row.update(S.distinct_experts(model, trace) or {})
             if "distinct_experts_per_layer_step" in row:
-                print(f"{row['streams']:3d} streams: {row['distinct_experts_per_layer_step']:.1f} distinct experts "
-                      f"per MoE layer per step ({row['pairs_per_layer_step']:.0f} (token, expert) pairs)"
+                print(f"{row['streams']:3d} streams, {S.setting(row)}: {row['distinct_experts_per_layer_step']:.1f} "
+                      f"distinct experts per MoE layer per step ({row['pairs_per_layer_step']:.0f} (token, expert) pairs)"
                       + (f", {row['decode_step_ms']:.2f} ms per step" if "decode_step_ms" in row else ""))  # fmt: skip
-    base = [r for r in rows if not r["mtp"] and not r["prefix_cache"]] or rows
+    base = [r for r in rows if not r["mtp"] and not r["prefix_cache"] and r["narrow"]] or rows
     one = next((r for r in base if r["streams"] == 1), None)
     if one and len(base) > 1:
         print(f"{base[-1]['streams']} streams: {base[-1]['total_tok_s'] / one['total_tok_s']:.2f}x the total "
@@ -116,6 +138,18 @@ def main(argv):
         files.write_json(_OUT.value, {"model": label or weights, "rows": rows})
     if _PNG.value:
         S.plot(rows, _PNG.value)
+
+
+def _step_costs(model, streams: list[int]) -> None:
+    rows = S.step_costs(model, streams, STEP_OPTIONS, max_len=_PROMPT_LEN.value + _MAX_NEW.value + 2,
+                        rounds=_ROUNDS.value, full_slots=max(streams))  # fmt: skip
+    p10 = {(r["slots"], r["options"]): r["step_p10_ms"] for r in rows}
+    for r in rows:
+        one = p10.get((1, r["options"]))
+        print(f"{r['slots']:3d} slots, {r['options']}: decode step p10 {r['step_p10_ms']:.2f} ms (median "
+              f"{r['step_p50_ms']:.2f})" + (f", {r['step_p10_ms'] / one:.2f}x 1 slot" if one else ""))  # fmt: skip
+    if _OUT.value:
+        files.write_json(_OUT.value, {"step_costs": rows})
 
 
 if __name__ == "__main__":

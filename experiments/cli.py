@@ -139,8 +139,9 @@ def run(main: Callable[[list[str]], None]) -> None:
 
 
 def define_moe_impl_flag() -> flags.FlagHolder:
-    """`--moe_impl` (default auto) for the entry points that build their model's kernels themselves (serve,
-    bench_serve): passed as `kernels={"moe": ...}` to `build.random_model` / `build.load_model`."""
+    """`--moe_impl` (default auto) for the entry points that build their model's kernels themselves (generate,
+    serve, bench_serve): passed as `kernels={"moe": ...}` to `build.random_model` / `build.load_model` /
+    `build.sharded_model` (it overrides a config's quant.moe_impl)."""
     return flags.DEFINE_enum(
         "moe_impl", "auto", list(MOE_IMPLEMENTATIONS),
         "routed-expert implementation (kernels.moe.api); auto: by backend (CPU: the loop over distinct experts)",

@@ -58,6 +58,7 @@ _MTP = flags.DEFINE_enum(
     "mtp", "auto", list(build.MTP_CHOICES), "build the MTP block (auto: if the weights have it)"
 )
 _VERIFY = flags.DEFINE_bool("verify", True, "check the CRC-32 of every tensor of an Orbax checkpoint")
+_MOE_IMPL = cli.define_moe_impl_flag()
 
 
 def sampling_params(eos_ids=()) -> generate.SamplingParams:
@@ -162,7 +163,7 @@ def main(argv):
         raise app.UsageError(f"{flag} / --max_new: {e}") from None
     run = build.sharded_model(
         _CONFIG.value, weights=weights, dtype=build.parse_dtype(_DTYPE.value),
-        with_mtp=build.MTP_CHOICES[_MTP.value], verify=_VERIFY.value,
+        with_mtp=build.MTP_CHOICES[_MTP.value], verify=_VERIFY.value, kernels={"moe": _MOE_IMPL.value},
     )  # fmt: skip
     logging.debug("model config: %s", run.cfg)
     print(build.describe_run(run, config_name=cli.config_name("config"), seed=_CONFIG.value and _CONFIG.value.seed,

@@ -56,6 +56,9 @@ _PREFIX_BLOCK = flags.DEFINE_integer("prefix_block", 16, "prefix cache block: to
 _SPEC = flags.DEFINE_bool(
     "speculative", False, "MTP speculative decoding in the batched step (needs the MTP block; greedy requests)"
 )
+_NARROW = flags.DEFINE_bool(
+    "narrow", True, "decode steps compiled for 1, 2, 4, ... slots too: idle slots cost nothing (more programs to compile)"
+)
 _MOE_IMPL = cli.define_moe_impl_flag()
 
 
@@ -103,6 +106,7 @@ def main(argv):
     engine = Engine(model, slots=_SLOTS.value, max_len=_MAX_LEN.value, buckets=buckets,
                     eos_ids=cfg.eos_token_ids, max_queue=_QUEUE.value, prefix_cache_bytes=_PREFIX_MB.value << 20,
                     prefix_block=_PREFIX_BLOCK.value, speculative=_SPEC.value,
+                    decode_widths=None if _NARROW.value else (_SLOTS.value,),
                     detokenize=detokenizer(tok, keep=(THINK_OPEN, THINK_CLOSE)))  # fmt: skip
     print(f"model {name!r}: {_SLOTS.value} slots x {_MAX_LEN.value} positions, prefill buckets {buckets}, prefix "
           f"cache {_PREFIX_MB.value} MiB (blocks of {_PREFIX_BLOCK.value}), MTP speculative "

@@ -151,6 +151,7 @@ def sharded_model(
     dtype=jnp.float32,
     with_mtp: bool | None = None,
     verify: bool = True,
+    kernels: dict[str, str] | None = None,
 ) -> ShardedModel:
     """The model an entry point runs, on the mesh of `config` (`experiment_mesh`).
 
@@ -161,6 +162,8 @@ def sharded_model(
     with the weights is a ConfigError (`check_model_section`). Every tensor is read straight into its shards
     (an Orbax checkpoint leaf by leaf, checksums checked unless `verify` is False; HF / GGUF tensors placed by
     `glm53.parallel.abstract_sharded_model`). with_mtp: None builds the MTP block when the weights have one.
+    kernels: implementation per kernel op (`Glm53Model`), e.g. {"moe": "auto"}; a quant section's moe_impl
+    yields to it.
     """
     if weights is None:
         cfg = model_config_from_dict(config.model)
@@ -169,17 +172,23 @@ def sharded_model(
         dtype = parse_dtype(config.param_dtype)
         mtp = with_mtp is not False
         model = S.init_sharded_model(
-            lambda: random_model(cfg, seed=config.seed, dtype=dtype, quant=quant, with_mtp=mtp), mesh, rules
+            lambda: random_model(cfg, seed=config.seed, dtype=dtype, quant=quant, with_mtp=mtp, kernels=kernels),
+            mesh,
+            rules,
         )
         return ShardedModel(cfg, model, mesh, rules)
     cfg = weights_config(weights)
     check_model_section(config, cfg)
     mesh, rules = experiment_mesh(config, cfg)
     if experts is None and orbax.is_checkpoint(weights):
-        model = orbax.restore_model(weights, mesh, rules, dtype=dtype, with_mtp=with_mtp, verify=verify)
+        model = orbax.restore_model(
+            weights, mesh, rules, dtype=dtype, with_mtp=with_mtp, verify=verify, kernels=kernels
+        )
     else:
         quant = quant_from_experiment_config(config) if config is not None else None
         kw = {"quant": quant} if quant is not None else {}
+        if kernels is not None:
+            kw["kernels"] = kernels
         if quant is not None and experts is None and os.path.isdir(weights):
             raise ConfigError("config.quant: quantized experts need GGUF experts (--experts or a GGUF file)")
         _, model = load_model(

@@ -23,7 +23,10 @@ from jax.sharding import Mesh
 
 from glm53 import parallel as S
 from glm53 import sampling
+from glm53.layers.moe import Experts
 from glm53.model import Cache, Glm53Model
+from kernels.moe import api as moe_api
+from kernels.moe import expert_list
 
 
 def _check_count(name: str, v, minimum: int = 0) -> None:
@@ -95,6 +98,32 @@ class GenerationResult:
         return self.accepted / self.drafted if self.drafted else float("nan")
 
 
+_EXPERT_MATRICES = ("gate_proj", "up_proj", "down_proj")
+
+
+def decode_state(model: Glm53Model, state: nnx.State) -> nnx.State:
+    """`state` with the dense routed-expert kernels of every MoE layer that decodes with the xla_cpu form
+    (moe_impl "xla_cpu", or "auto" on the CPU backend) as `ExpertList`s: views of the same memory, no copy
+    (kernels/moe/expert_list.py: XLA:CPU copies every expert slice of a stacked kernel before its matmul).
+    Only kernels held on CPU devices are split; the state itself when no layer qualifies."""
+    paths = set()
+    for path, m in nnx.iter_graph(model):
+        if not isinstance(m, Experts):
+            continue
+        if moe_api.select_implementation(m.implementation, 1, m.decode_max_slots) != "xla_cpu_decode":
+            continue
+        ws = [getattr(m, k).get_value() for k in _EXPERT_MATRICES]
+        if all(isinstance(w, jax.Array) and {d.platform for d in w.devices()} == {"cpu"} for w in ws):
+            paths.update((*path, k) for k in _EXPERT_MATRICES)
+    if not paths:
+        return state
+    flat = [
+        (p, v.replace(expert_list.split_experts(v.get_value())) if p in paths else v)
+        for p, v in nnx.to_flat_state(state)
+    ]
+    return nnx.from_flat_state(flat)
+
+
 def _slice_stream(cache: Cache, b: int) -> Cache:
     return jax.tree.map(lambda a: a[b : b + 1], cache)
 
@@ -108,6 +137,10 @@ class Generator:
 
     mesh / rules: the mesh and rule set the model was placed with (None: an unsharded model); caches are then
     created and kept in their shardings, so a donated cache comes back with the same layout.
+    One-token steps (decode) run on `decode_state`: the state with the dense routed experts of xla_cpu MoE
+    layers split per expert (`decode_state`, no copy); everything else on `state`.
+    compiler_options: XLA options of the forward program (prefill and decode), e.g.
+    {"xla_cpu_experimental_ynn_fusion_type": ""}; None: the backend's defaults.
     """
 
     def __init__(
@@ -117,9 +150,12 @@ class Generator:
         mesh: Mesh | None = None,
         rules: str | S.Rules = "tp",
         prefill_chunk: int = 256,
+        compiler_options: dict | None = None,
     ):
         self.cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
+        # one-token steps (decode) read the routed experts as separate arrays on the CPU (`decode_state`)
+        self.decode_state = self.state if mesh is not None else decode_state(model, self.state)
         self.prefill_chunk = prefill_chunk
         self.has_mtp = model.mtp is not None
 
@@ -130,7 +166,9 @@ class Generator:
                 return cache
             return jax.lax.with_sharding_constraint(cache, S.cache_shardings(cache, mesh, rules))
 
-        @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("last_only",))
+        @functools.partial(
+            jax.jit, donate_argnums=(1,), static_argnames=("last_only",), compiler_options=compiler_options
+        )
         def forward(state, cache, tokens, last_only=False):
             m = nnx.merge(gd, state)
             h, cache = m.hidden(tokens, cache=cache)
@@ -164,7 +202,9 @@ class Generator:
         """(hidden [B,T,D], logits [B,T,V], cache) for T new tokens of every stream (cache is donated).
 
         last_only: logits [B,1,V] of the last position only."""
-        return self._forward(self.state, cache, jnp.asarray(tokens_bt, jnp.int32), last_only=last_only)
+        tokens_bt = jnp.asarray(tokens_bt, jnp.int32)
+        state = self.decode_state if tokens_bt.shape[1] == 1 else self.state
+        return self._forward(state, cache, tokens_bt, last_only=last_only)
 
     def prefill(self, cache: Cache, tokens_t, stream: int = 0):
         """Feeds a prompt to one stream in pieces of `prefill_chunk`; returns (hidden, logits of the last token, cache)."""

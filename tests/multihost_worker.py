@@ -3,14 +3,16 @@
 Run under the launcher (2 processes x 4 CPU devices, one 8-device mesh):
 
   python -m experiments.launch --processes=2 --devices_per_process=4 -- python tests/multihost_worker.py \
-      --ckpt=CKPT --out=DIR
+      --ckpt=CKPT --out=DIR [--hf=HF_DIR --gguf=Q4K.gguf --qckpt=QCKPT]
 
 it restores the glm53 checkpoint CKPT (the tiny sharded model, `experiments.convert`) on the TP rules over a
-(1, 8) mesh (the "model" axis spans both processes; every leaf's checksum checked) and scores `SEQS`, trains `STEPS` steps of the tiny training model on a (2, 4) "data" x "model" mesh (data parallel
+(1, 8) mesh (the "model" axis spans both processes; every leaf's checksum checked) and scores `SEQS`, serves
+`serve_requests` on an engine over it (process 0 leads, the other replays its programs: DIR/serve.json), trains `STEPS` steps of the tiny training model on a (2, 4) "data" x "model" mesh (data parallel
 across the processes, tensor parallel inside each), saves the trained state as an Orbax checkpoint written by
 both processes (each its own shards) under DIR/state, and process 0 writes DIR/results.npz (logits, losses, the
-trained state gathered). The test computes the same in one process of 8 devices (the functions below) and
-restores DIR/state on another mesh.
+trained state gathered). With --hf / --gguf / --qckpt it first loads those on the (1, 8) expert-parallel mesh,
+recording every tensor byte read (`sliced_loads`: DIR/reads{I}.json, DIR/shards{I}.npz per process). The test
+computes the same in one process of 8 devices (the functions below) and restores DIR/state on another mesh.
 """
 
 from __future__ import annotations
@@ -35,8 +37,12 @@ from configs import train as train_configs  # noqa: E402
 from experiments import cli  # noqa: E402
 from glm53 import build, scoring  # noqa: E402
 from glm53.config import model_config_from_dict  # noqa: E402
+from glm53.io.gguf import GGUFFile  # noqa: E402
+from glm53.io.safetensors import SafetensorsFile  # noqa: E402
 from glm53.model import Glm53Model  # noqa: E402
 from glm53.parallel import distributed  # noqa: E402
+from glm53.serving import multihost  # noqa: E402
+from glm53.serving.engine import Engine, Request, generate  # noqa: E402
 from glm53.train import routing  # noqa: E402
 from glm53.train import step as S  # noqa: E402
 from glm53.train.loop import train_mesh  # noqa: E402
@@ -55,12 +61,41 @@ def score_config(mesh_section: dict) -> ml_collections.ConfigDict:
     return c
 
 
+def tp_run(weights: str) -> build.ShardedModel:
+    """The checkpoint `weights` on `TP_MESH`."""
+    config = ml_collections.ConfigDict({"mesh": TP_MESH})  # the model's shape comes from the weights
+    return build.sharded_model(config, weights=weights, with_mtp=False)
+
+
 def tp_logits(weights: str) -> list[np.ndarray]:
     """Logits of `SEQS` by the checkpoint `weights` on `TP_MESH` (every process gets them all)."""
-    config = ml_collections.ConfigDict({"mesh": TP_MESH})  # the model's shape comes from the weights
-    run = build.sharded_model(config, weights=weights, with_mtp=False)
+    run = tp_run(weights)
     logits, _ = scoring.score(run.model, SEQS)
     return logits
+
+
+# ------------------------------------------------------------------------------------------------ serving
+def serve_requests() -> list[Request]:
+    """Greedy and seeded-sampled requests whose prompts use both prefill buckets."""
+    return [Request(prompt=SEQS[0], max_tokens=5), Request(prompt=SEQS[1], max_tokens=4, temperature=0.8, seed=3),
+            Request(prompt=[2, 2, 8, 1], max_tokens=3, temperature=1.0, top_k=5, seed=11)]  # fmt: skip
+
+
+def serve_tokens(run: build.ShardedModel) -> list[list[int]] | None:
+    """The tokens `serve_requests` generate on an engine of 2 slots over `run` (one decode width, buckets 1 and
+    4: few programs). Several processes: process 0 leads (`glm53.serving.multihost`) and gets the tokens, the
+    others follow its program calls and get None."""
+    engine = Engine(run.model, slots=2, max_len=32, buckets=(1, 4), mesh=run.mesh, rules=run.rules,
+                    compiler_options={"xla_backend_optimization_level": 0})  # fmt: skip
+    if jax.process_count() > 1 and not distributed.is_main_process():
+        multihost.follow(engine)
+        return None
+    if jax.process_count() > 1:
+        multihost.lead(engine)
+    tokens = generate(engine, serve_requests())
+    if jax.process_count() > 1:
+        multihost.stop(engine)
+    return tokens
 
 
 # ------------------------------------------------------------------------------------------------ training
@@ -134,11 +169,71 @@ def restore_state(path: str, like) -> dict[str, jax.Array]:
     return ocp.StandardCheckpointer().restore(path, abstract)
 
 
+# ------------------------------------------------------------------------------------------------ sliced reads
+EP_MESH = dict(axes=("data", "model"), shape=(1, 8), rules="ep")
+
+
+def record_reads() -> list[tuple[str, str, int, int]]:
+    """Every tensor byte run the safetensors and GGUF readers read from now on, as (file, tensor or "", offset,
+    bytes): safetensors offsets relative to the data section, GGUF offsets absolute."""
+    reads = []
+    st_read, gguf_read = SafetensorsFile._read_into, GGUFFile._read_into
+
+    def st(self, f, offset, buf, name):
+        reads.append((os.path.basename(self.path), name, int(offset), len(buf)))
+        return st_read(self, f, offset, buf, name)
+
+    def gg(self, offset, view, what):
+        reads.append((os.path.basename(self.name), "", int(offset), len(view)))
+        return gguf_read(self, offset, view, what)
+
+    SafetensorsFile._read_into, GGUFFile._read_into = st, gg
+    return reads
+
+
+def local_shards(model, prefix: str) -> dict[str, np.ndarray]:
+    """This process's blocks of every parameter leaf, keyed PREFIX|LEAF PATH|start:stop,..."""
+    out = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+        leaf = jax.tree_util.keystr(path)
+        for sh in x.addressable_shards:
+            box = ",".join(f"{i.start or 0}:{x.shape[k] if i.stop is None else i.stop}"
+                           for k, i in enumerate(sh.index))  # fmt: skip
+            out[f"{prefix}|{leaf}|{box}"] = np.asarray(sh.data)
+    return out
+
+
+def sliced_loads(hf_dir: str, gguf_file: str, qckpt: str, out: str) -> None:
+    """The HF folder and the GGUF (routed experts kept quantized, Q4_K) loaded on the expert-parallel (1, 8)
+    mesh, every read recorded: this process's reads and blocks to DIR/reads{I}.json and DIR/shards{I}.npz;
+    with them the blocks of the Orbax checkpoint `qckpt` (the GGUF's Q4_K experts) restored on that mesh."""
+    reads = record_reads()
+    ep = ml_collections.ConfigDict({"mesh": EP_MESH})
+    hf = build.sharded_model(ep, weights=hf_dir, with_mtp=False)
+    quant = tiny.get_config("sharded").quant
+    quant.experts = "q4_k"
+    config = ml_collections.ConfigDict({"mesh": EP_MESH, "quant": quant})  # the model's shape: the GGUF's
+    gg = build.sharded_model(config, weights=gguf_file, with_mtp=False)
+    i = jax.process_index()
+    with open(os.path.join(out, f"reads{i}.json"), "w") as f:
+        json.dump(reads, f)
+    restored = build.sharded_model(ep, weights=qckpt, with_mtp=False).model
+    np.savez(
+        os.path.join(out, f"shards{i}.npz"),
+        **local_shards(hf.model, "hf"),
+        **local_shards(gg.model, "gguf"),
+        **local_shards(restored, "orbax"),
+    )
+
+
 # ------------------------------------------------------------------------------------------------ main
 def main(argv):
     del argv
     out = flags.FLAGS.out
+    if flags.FLAGS.hf:
+        sliced_loads(flags.FLAGS.hf, flags.FLAGS.gguf, flags.FLAGS.qckpt, out)
     logits = tp_logits(flags.FLAGS.ckpt)
+    tokens = serve_tokens(tp_run(flags.FLAGS.ckpt))
     state, losses = train(TRAIN_MESH)
     save_state(state, os.path.join(out, "state"))
     gathered = {f"state_{k}": distributed.to_host(x) for k, x in state_leaves(state).items()}
@@ -147,6 +242,8 @@ def main(argv):
         np.savez(
             os.path.join(out, "results.npz"), losses=np.asarray(losses, np.float64), **arrays, **gathered
         )
+        with open(os.path.join(out, "serve.json"), "w") as f:
+            json.dump(tokens, f)
         with open(os.path.join(out, "devices.json"), "w") as f:
             json.dump({"processes": jax.process_count(), "devices": jax.device_count(),
                        "local_devices": jax.local_device_count()}, f)  # fmt: skip
@@ -158,4 +255,7 @@ if __name__ == "__main__":
     # module-level --out would clash with an entry point's own --out imported later in the same pytest worker.
     flags.DEFINE_string("out", None, "output folder (exists)")
     flags.DEFINE_string("ckpt", None, "glm53 checkpoint of the tiny sharded model")
+    flags.DEFINE_string("hf", None, "HF folder of the tiny sharded model (sliced reads, with --gguf)")
+    flags.DEFINE_string("gguf", None, "GGUF of the tiny sharded model with Q4_K routed experts")
+    flags.DEFINE_string("qckpt", None, "glm53 checkpoint of that model, its experts the GGUF's Q4_K planes")
     cli.run(main)

@@ -52,9 +52,12 @@ def torch_hc(seed: int, fn_std: float) -> hf.Glm5NextTextHyperConnection:
     return hc
 
 
-def ours_from_torch(hc_t, dtype=jnp.float32) -> HyperConnection:
+IMPLS = ("reference", "xla_cpu")  # every implementation against the same oracles
+
+
+def ours_from_torch(hc_t, dtype=jnp.float32, impl="reference") -> HyperConnection:
     """Our module with transformers' weights (HF fn [(2+n)n, nD] -> ours [nD, (2+n)n])."""
-    m = HyperConnection(CFG, rngs=nnx.Rngs(0), dtype=dtype)
+    m = HyperConnection(CFG, rngs=nnx.Rngs(0), dtype=dtype, implementation=impl)
     m.fn[...] = jnp.asarray(hc_t.fn.detach().float().numpy().T, dtype)
     m.base[...] = jnp.asarray(hc_t.base.detach().float().numpy())
     m.scale[...] = jnp.asarray(hc_t.scale.detach().float().numpy())
@@ -84,13 +87,14 @@ def test_params_shapes_and_axes():
 
 
 # fn_std 0.05: comb logits of O(1) (Sinkhorn converges in 20 steps); 0.2: peaked logits (it does not).
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("fn_std", [0.05, 0.2])
-def test_mhc_pre_matches_transformers_fp32(fn_std):
+def test_mhc_pre_matches_transformers_fp32(fn_std, impl):
     hc_t = torch_hc(0, fn_std)
     x = torch.randn(2, 7, N, D, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         post_t, comb_t, u_t = hc_t(x)
-    m = ours_from_torch(hc_t)
+    m = ours_from_torch(hc_t, impl=impl)
     u, post, comb = nnx.jit(lambda m, x: m(x))(m, jnp.asarray(x.numpy()))
     assert u.dtype == jnp.float32 and post.dtype == jnp.float32 and comb.dtype == jnp.float32
     errs = (rel(u, u_t.numpy()), rel(post, post_t.numpy()), rel(comb, comb_t.numpy()))
@@ -98,14 +102,15 @@ def test_mhc_pre_matches_transformers_fp32(fn_std):
     assert max(errs) <= 1e-5, errs
 
 
-def test_mhc_pre_matches_transformers_bf16_streams():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mhc_pre_matches_transformers_bf16_streams(impl):
     """bf16 streams and fn: weights still computed in f32; u is the f32 sum cast to bf16."""
     hc_t = torch_hc(1, 0.05)
     hc_t.fn.data = hc_t.fn.data.to(torch.bfloat16)  # base / scale stay f32, as transformers keeps them
     x = torch.randn(2, 5, N, D, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     with torch.no_grad():
         post_t, comb_t, u_t = hc_t(x)
-    m = ours_from_torch(hc_t, dtype=jnp.bfloat16)
+    m = ours_from_torch(hc_t, dtype=jnp.bfloat16, impl=impl)
     u, post, comb = m(jnp.asarray(x.float().numpy(), jnp.bfloat16))
     assert u.dtype == jnp.bfloat16
     assert rel(post, post_t.numpy()) <= 1e-5 and rel(comb, comb_t.numpy()) <= 1e-5
@@ -150,20 +155,21 @@ def _np_post(x, y, post, comb):
     return post[..., None] * y[..., None, :] + np.einsum("btij,btid->btjd", comb, x)
 
 
-def test_mhc_post_matches_f64_numpy():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mhc_post_matches_f64_numpy(impl):
     rng = np.random.default_rng(3)
     x, y = rng.normal(size=(2, 6, N, D)), rng.normal(size=(2, 6, D))
     post = 2.0 / (1.0 + np.exp(-rng.normal(size=(2, 6, N))))
     comb = np_sinkhorn(rng.normal(size=(2, 6, N, N)), 1e-6, 20)
     f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
-    got = jax.jit(api.mhc_post)(f32(x), f32(y), f32(post), f32(comb))
+    got = jax.jit(functools.partial(api.mhc_post, implementation=impl))(f32(x), f32(y), f32(post), f32(comb))
     want = _np_post(x, y, post, comb)
     print(f"mhc_post f32 vs f64: rel {rel(got, want):.2e}")
     assert got.dtype == jnp.float32 and rel(got, want) <= 1e-6
     # bf16 streams: post / comb are rounded to bf16 before use; the result is within bf16 rounding of f64.
     bf = functools.partial(jnp.asarray, dtype=jnp.bfloat16)
     xb, yb = bf(x), bf(y)
-    got_b = api.mhc_post(xb, yb, f32(post), f32(comb))
+    got_b = api.mhc_post(xb, yb, f32(post), f32(comb), implementation=impl)
     r = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)
     want_b = _np_post(r(xb), r(yb), r(post), r(comb))
     # error scale: the magnitudes of the summed terms (three bf16 roundings of at most 2^-9 relative each).
@@ -200,7 +206,8 @@ class _Fixed(torch.nn.Module):
         return self.y
 
 
-def test_layer_update_matches_transformers_decoder_bf16():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_layer_update_matches_transformers_decoder_bf16(impl):
     """Both mHC sites of a transformers decoder layer (its sublayers replaced by fixed outputs) in bf16:
     exercises the casts of post / comb to the hidden dtype in the stream update."""
     torch.manual_seed(4)
@@ -217,7 +224,7 @@ def test_layer_update_matches_transformers_decoder_bf16():
             hc_t.fn.normal_(0.0, 0.05)
             hc_t.base.data = torch.randn(hc_t.base.shape, generator=g)  # f32, as transformers keeps it
             hc_t.scale.data = torch.rand(3, generator=g) * 1.5 + 0.5
-        ours[name] = ours_from_torch(hc_t, dtype=jnp.bfloat16)
+        ours[name] = ours_from_torch(hc_t, dtype=jnp.bfloat16, impl=impl)
     x = torch.randn(2, 5, N, D, generator=g).to(torch.bfloat16)
     with torch.no_grad():
         want = layer(x)[0].float().numpy()

@@ -18,7 +18,7 @@ from glm53.config import ModelConfig, as_hf_text_config
 from glm53.layers.mlp import MLP
 from glm53.layers.moe import MoE, Router
 from glm53.layers.param import logical_axes
-from kernels.moe import api
+from kernels.moe import api, expert_list
 
 LIMIT = 2.0
 CFG = ModelConfig(
@@ -252,6 +252,10 @@ def test_moe_experts_vs_f64_loop(expert_case):
                  "xla_cpu_prefill"):  # fmt: skip
         fn = jax.jit(lambda *a, impl=impl: api.moe_experts(*a, LIMIT, implementation=impl))
         got[impl] = fn(f(x), jnp.asarray(ids), f(w), f(wg), f(wu), f(wd))
+    # the CPU decode form on separate expert arrays (kernels/moe/expert_list.py, what Generator decodes with)
+    split = [expert_list.split_experts(f(a)) for a in (wg, wu, wd)]
+    fn = jax.jit(lambda *a: api.moe_experts(*a, LIMIT, implementation="xla_cpu_decode"))
+    got["xla_cpu_decode(ExpertList)"] = fn(f(x), jnp.asarray(ids), f(w), *split)
     errs = {k: rel(v, want) for k, v in got.items()}
     used = len(set(ids.ravel().tolist()) - {16})
     print(

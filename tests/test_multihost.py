@@ -1,16 +1,23 @@
 """Several JAX processes as one system (`glm53.parallel.distributed`, `experiments.launch`): 2 processes of 4
 virtual CPU devices each (one 8-device mesh) against this one process (the unsharded model, or 8 devices).
 
-* `experiments.score` under the launcher, expert parallel over a (1, 8) mesh with the routed experts kept
-  quantized (Q4_K planes, the model axis across both processes): the logits of process 0's npz equal the
-  unsharded model's; the entry point's flags and its process-0-only output.
+* `experiments.score` under the launcher on a GGUF whose routed experts are Q4_K, kept quantized, expert
+  parallel over a (1, 8) mesh (the model axis across both processes: each process packs the planes of its own
+  experts): the logits of process 0's npz equal the GGUF's unsharded model's here; the entry point's flags and
+  its process-0-only output.
 * `experiments.convert` under the launcher writes the checkpoint one process writes (same sidecar, every
   tensor's CRC-32); it restores here on a (2, 4) expert-parallel mesh, every parameter bit-identical.
+* Sliced reads (the worker, with every tensor read recorded): the HF folder and the Q4_K GGUF loaded on the
+  (1, 8) expert-parallel mesh by 2 processes; each process reads exactly its half of every expert stack (and
+  of the embedding / lm_head), no byte twice, and places blocks equal to those of a whole-tensor load here; an
+  Orbax checkpoint with Q4_K planes restores across the processes with the same blocks.
 * tests/multihost_worker.py under the launcher: that checkpoint restored by both processes on a (1, 8)
   tensor-parallel mesh scores as the unsharded model does here; STEPS training steps on a (2, 4) "data" x "model"
   mesh (data parallel across processes, tensor parallel inside) give this process's losses and state; the
   Orbax checkpoint of the trained state, written by both processes, restores here on a (4, 2) mesh with every
   leaf bit-identical to what the processes held.
+* The serving engine under the launcher (`glm53.serving.multihost`: process 0 leads, process 1 replays its
+  program calls) on that checkpoint: greedy and sampled requests give the tokens of the same engine here.
 * The launcher's failure handling: a process that fails or is killed stops the others (none left behind) and
   the launcher's status is non-zero; the distributed flags' bad input; one process is unchanged.
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,15 +43,29 @@ from configs import tiny
 from experiments import launch
 from glm53 import build, scoring
 from glm53 import parallel as S
+from glm53.checkpoint import gguf_export
 from glm53.checkpoint import orbax as orbax_ckpt
 from glm53.checkpoint.convert import convert
 from glm53.checkpoint.hf_export import export_hf
+from glm53.config import QuantConfig
 from glm53.errors import ConfigError
+from glm53.io.gguf import open_gguf
+from glm53.io.safetensors import SafetensorsFile
 from glm53.parallel import distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EP_Q4K = ["--config=configs/tiny.py:sharded", "--config.mesh.shape=(1,8)", "--config.mesh.rules=ep",
-          "--config.model.hidden_size=256", "--config.model.moe_intermediate_size=256", "--config.quant.experts=q4_k", "--mtp=off"]  # fmt: skip
+# The EP run of a GGUF whose routed experts are Q4_K, kept quantized: mesh and quant sections only (the model's
+# shape comes from the weights).
+EP_GGUF_CONFIG = textwrap.dedent("""
+    from configs import tiny
+
+
+    def get_config():
+        c = tiny.get_config("sharded")
+        c.model = None
+        c.mesh.shape, c.mesh.rules, c.quant.experts = (1, 8), "ep", "q4_k"
+        return c
+""")
 PROCESS_TIMEOUT = 600  # a bound on a launch, not a timing assertion
 
 
@@ -66,25 +88,44 @@ def _close(got, want, what: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ entry point
 @pytest.fixture(scope="module")
-def ep_score(tmp_path_factory):
+def ep_gguf(tmp_path_factory):
+    """(GGUF, config file, checkpoint): the tiny sharded model at hidden size and expert width 256 (whole Q4_K
+    blocks), its seeded random weights written with Q4_K routed experts; the config of its expert-parallel run;
+    its glm53 checkpoint converted here from its HF folder and that GGUF (the experts as the GGUF's Q4_K planes)."""
+    d = tmp_path_factory.mktemp("ep_gguf")
+    c = tiny.get_config("sharded")
+    c.model.hidden_size, c.model.moe_intermediate_size = 256, 256
+    cfg, model = build.model_from_experiment_config(c)
+    gguf_export.write_gguf(d / "ep.gguf", cfg, gguf_export.model_params(model), experts="Q4_K")
+    (d / "ep_gguf.py").write_text(EP_GGUF_CONFIG)
+    export_hf(model, cfg, d / "hf", dtype="float32")
+    convert(str(d / "hf"), str(d / "qckpt"), gguf=[str(d / "ep.gguf")], dtype="float32", progress=False)
+    return str(d / "ep.gguf"), str(d / "ep_gguf.py"), str(d / "qckpt")
+
+
+@pytest.fixture(scope="module")
+def ep_score(tmp_path_factory, ep_gguf):
     d = tmp_path_factory.mktemp("ep_score")
     (d / "tokens.json").write_text(json.dumps(W.SEQS))
-    out = _ok(_launch(sys.executable, "-m", "experiments.score", *EP_Q4K, f"--tokens={d / 'tokens.json'}",
-                      f"--out={d / 'scores.npz'}"))  # fmt: skip
+    out = _ok(_launch(sys.executable, "-m", "experiments.score", f"--config={ep_gguf[1]}", f"--weights={ep_gguf[0]}",
+                      "--mtp=off", f"--tokens={d / 'tokens.json'}", f"--out={d / 'scores.npz'}"))  # fmt: skip
     return out, np.load(d / "scores.npz")
 
 
-def test_score_entry_point_two_processes_ep_quantized_equals_one_process(ep_score):
+def _gguf_q4k(path: str):
+    """The GGUF loaded here, unsharded, routed experts kept quantized (whole-tensor reads)."""
+    _, model = build.load_model(path, quant=QuantConfig(experts="q4_k"), with_mtp=False)
+    assert model.layers[3].mlp.experts.down_proj.get_value().format_name == "Q4_K"  # the quantized path
+    return model
+
+
+def test_score_entry_point_two_processes_ep_gguf_quantized_equals_one_process(ep_score, ep_gguf):
     out, got = ep_score
-    # process 0 alone writes and reports; both processes built the model on one 8-device mesh
+    # process 0 alone writes and reports; both processes built the model on one 8-device mesh, the routed
+    # experts' Q4_K planes read from the GGUF by each process for its own devices' experts
     assert out.stdout.count("wrote ") == 1 and "[0] wrote " in out.stdout
     assert out.stdout.count("mesh {'data': 1, 'model': 8}, rules ep") == 2
-    c = tiny.get_config("sharded")
-    c.mesh.shape, c.mesh.rules = (1, 8), "ep"
-    c.model.hidden_size, c.model.moe_intermediate_size, c.quant.experts = 256, 256, "q4_k"
-    _, model = build.model_from_experiment_config(c)  # the same seeded weights, unsharded (MTP built last)
-    assert model.layers[3].mlp.experts.down_proj.get_value().format_name == "Q4_K"  # the quantized path
-    logits, nll = scoring.score(model, W.SEQS)
+    logits, nll = scoring.score(_gguf_q4k(ep_gguf[0]), W.SEQS)
     for i, want in enumerate(logits):
         _close(got[f"logits_{i}"], want, f"sequence {i}")
     np.testing.assert_allclose(got["nll"], nll, rtol=1e-5)
@@ -101,7 +142,7 @@ def converted(tmp_path_factory):
     one = convert(str(d / "hf"), str(d / "one"), dtype="float32", progress=False)
     out = _ok(_launch(sys.executable, "-m", "experiments.convert", f"--hf={d / 'hf'}", f"--out={d / 'two'}",
                       "--dtype=f32"))  # fmt: skip
-    return dict(one=one, two=str(d / "two"), model=model, stdout=out.stdout)
+    return dict(one=one, two=str(d / "two"), model=model, stdout=out.stdout, hf=str(d / "hf"))
 
 
 def test_convert_two_processes_equals_one_process(converted):
@@ -128,9 +169,10 @@ def test_checkpoint_of_two_processes_restores_in_one_on_another_mesh(converted):
 
 # ------------------------------------------------------------------------------------------------ worker
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory, converted):
+def worker(tmp_path_factory, converted, ep_gguf):
     d = tmp_path_factory.mktemp("worker")
-    _ok(_launch(sys.executable, "tests/multihost_worker.py", f"--ckpt={converted['two']}", f"--out={d}"))
+    _ok(_launch(sys.executable, "tests/multihost_worker.py", f"--ckpt={converted['two']}", f"--out={d}",
+                f"--hf={converted['hf']}", f"--gguf={ep_gguf[0]}", f"--qckpt={ep_gguf[2]}"))  # fmt: skip
     return d, np.load(d / "results.npz"), json.loads((d / "devices.json").read_text())
 
 
@@ -143,6 +185,14 @@ def test_tp_logits_two_processes_equal_one_process(worker, converted):
     logits, _ = scoring.score(converted["model"], W.SEQS)  # the converted weights, unsharded
     for i, want in enumerate(logits):
         _close(got[f"logits_{i}"], want, f"sequence {i}")
+
+
+def test_serving_engine_two_processes_equals_one_process(worker, converted):
+    """The engine under 2 processes (process 0 leads, process 1 replays its program calls): the tokens of greedy
+    and sampled requests equal those of the same engine over the same checkpoint in one process."""
+    got = json.loads((worker[0] / "serve.json").read_text())
+    assert got == W.serve_tokens(W.tp_run(converted["one"]))
+    assert [len(t) for t in got] == [r.max_tokens for r in W.serve_requests()]  # no EOS stop: every token
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +223,95 @@ def test_orbax_checkpoint_of_two_processes_restores_in_one_on_another_mesh(worke
         split += not x.sharding.is_fully_replicated
         np.testing.assert_array_equal(np.asarray(x), got[f"state_{k}"], err_msg=f"state leaf {k}")
     assert dict(mesh.shape) == {"data": 4, "model": 2} and split > 10
+
+
+# ------------------------------------------------------------------------------------------------ sliced reads
+def _runs(reads, file: str, tensor: str = "") -> list[tuple[int, int]]:
+    return sorted((off, off + n) for f, t, off, n in reads if f == file and t == tensor)
+
+
+def test_each_process_reads_only_its_own_blocks(worker, converted, ep_gguf):
+    """HF folder and GGUF loaded on the expert-parallel (1, 8) mesh by 2 processes (the "model" axis across
+    both): process p reads exactly the routed experts [4p, 4p + 4) of every expert stack (the HF per-expert
+    tensors of those experts whole, the others not at all; the GGUF stack's byte range of those experts), exactly its half of the vocabulary-split embedding and lm_head, no byte twice, and the two processes
+    together every byte of every tensor the model uses."""
+    d = worker[0]
+    reads = [json.loads((d / f"reads{p}.json").read_text()) for p in range(2)]
+    hf_file = SafetensorsFile(os.path.join(converted["hf"], "model.safetensors"))
+    experts, n = 0, W.score_config(W.TP_MESH).model.n_routed_experts
+    for key in hf_file.keys():
+        _, _, begin, end = hf_file.tensors[key]
+        runs = [[(a - begin, b - begin) for a, b in _runs(r, "model.safetensors", key)] for r in reads]
+        for p in range(2):
+            assert _total(runs[p]) == _total(_union(runs[p])), f"{key}: a byte read twice by {p}"
+        assert _union(runs[0] + runs[1]) == [(0, end - begin)], f"{key}: not read whole by the two together"
+        m = re.search(r"\.experts\.(\d+)\.", key)
+        if m:
+            experts += 1
+            owner = int(m[1]) // (n // 2)
+            assert runs[owner] == [(0, end - begin)] and runs[1 - owner] == [], key
+        if key.endswith(("embed_tokens.weight", "lm_head.weight")):
+            half = (end - begin) // 2
+            assert [_union(r) for r in runs] == [[(0, half)], [(half, end - begin)]], key
+    assert experts == 2 * 3 * n  # 2 MoE layers
+    with open_gguf(ep_gguf[0]) as g:
+        name = os.path.basename(ep_gguf[0])
+        stacks = 0
+        for t in g.tensors.values():
+            if t.name.startswith(f"blk.{W.score_config(W.TP_MESH).model.num_hidden_layers}."):
+                continue  # the MTP block: loaded without it
+            runs = [[(a - t.offset, b - t.offset) for a, b in _runs(r, name) if t.offset <= a < t.offset + t.nbytes]
+                    for r in reads]  # fmt: skip
+            for p in range(2):
+                assert _total(runs[p]) == _total(_union(runs[p])), f"{t.name}: a byte read twice by {p}"
+            assert _union(runs[0] + runs[1]) == [(0, t.nbytes)], (
+                f"{t.name}: not read whole by the two together"
+            )
+            if "_exps." in t.name or t.name in ("token_embd.weight", "output.weight"):
+                stacks += "_exps." in t.name
+                assert [_union(r) for r in runs] == [[(0, t.nbytes // 2)], [(t.nbytes // 2, t.nbytes)]], (
+                    t.name
+                )
+    assert stacks == 2 * 3
+
+
+def _total(runs) -> int:
+    return sum(b - a for a, b in runs)
+
+
+def _union(runs) -> list[tuple[int, int]]:
+    out = []
+    for a, b in sorted(runs):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def test_sliced_loads_equal_whole_tensor_reads(worker, converted, ep_gguf):
+    """Every block each process placed (HF and GGUF, Q4_K planes included) equals that block of the parameter
+    read whole in one process, and the two processes' blocks cover every parameter; so does every block of the
+    checkpoint with Q4_K planes restored by both (the GGUF's planes and the same non-expert weights)."""
+    d = worker[0]
+    _, hf = build.load_model(converted["hf"], with_mtp=False)
+    gguf = _leaves(_gguf_q4k(ep_gguf[0]))
+    whole = {"hf": _leaves(hf), "gguf": gguf, "orbax": gguf}
+    covered = {k: {leaf: 0 for leaf in v} for k, v in whole.items()}
+    for p in range(2):
+        for key, block in np.load(d / f"shards{p}.npz").items():
+            which, leaf, box = key.split("|")
+            index = tuple(slice(*map(int, b.split(":"))) for b in box.split(","))
+            np.testing.assert_array_equal(block, whole[which][leaf][index], err_msg=key)
+            covered[which][leaf] += block.size
+    for which, leaves in whole.items():  # EP on (1, 8): a leaf is split over the 8 devices or replicated
+        for leaf, x in leaves.items():
+            assert covered[which][leaf] % x.size == 0 and covered[which][leaf] > 0, (which, leaf)
+
+
+def _leaves(model) -> dict[str, np.ndarray]:
+    return {jax.tree_util.keystr(p): np.asarray(x)
+            for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ launcher

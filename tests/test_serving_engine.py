@@ -12,6 +12,7 @@ from configs import tiny
 from glm53 import build, generate
 from glm53.config import model_config_from_dict
 from glm53.serving import engine as E
+from glm53.serving import programs as P
 from glm53.serving.text import StopText
 
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [3] * 20, [7], [9, 4, 4, 9, 30, 31, 32]]
@@ -45,7 +46,7 @@ def setup():
 def test_batched_greedy_equals_each_alone_without_recompiling(setup):
     eng, ref, _ = setup
     n0 = eng.compiled_programs()
-    assert n0 == 6  # decode, prefill x 2 buckets, insert, cache init for 1 and for the slots
+    assert n0 == 11  # decode x 3 widths (1, 2, 3 slots), put x 2 (1, 2), move, prefill x 2, insert, init x 2
     # 5 requests over 3 slots: some wait, join when others leave, and prefill in 1- and 8-token chunks.
     out = E.generate(eng, [E.Request(p, max_tokens=n) for p, n in zip(PROMPTS, MAX_NEW)])
     assert out == ref
@@ -112,6 +113,29 @@ def test_bad_requests_name_the_field(setup):
             eng.submit(req, lambda e: None)
     with pytest.raises(ValueError, match="buckets"):
         E.Engine(model, buckets=(4, 8))
+
+
+def test_narrow_decode_steps_give_the_full_width_tokens(setup):
+    """Steps over the first b slots only (b = the smallest width covering the busy slots) give exactly the tokens of
+    an engine that always runs all slots, greedy and sampled, with requests joining and leaving (slots freed out
+    of order, so holes below the highest busy slot too)."""
+    eng, ref, model = setup
+    full = E.Engine(model, slots=3, max_len=40, buckets=(1, 8), compiler_options=FAST, decode_widths=(3,))
+    full.warmup()
+    assert full.compiled_programs() == 6 and eng.decode_widths == (1, 2, 3)
+    reqs = lambda: [E.Request(p, max_tokens=n, temperature=0.8 * (i % 2), top_k=30, seed=i)  # noqa: E731
+                    for i, (p, n) in enumerate(zip(PROMPTS + PROMPTS[:2], MAX_NEW + [3, 12]))]  # fmt: skip
+    eng.stats.clear()
+    out = E.generate(eng, reqs())
+    assert out == E.generate(full, reqs())
+    assert out[0::2][:3] == [ref[0], ref[2], ref[4]]  # the greedy ones: the reference too
+    assert all(eng.stats[f"decode_width_{b}"] > 0 for b in (1, 2, 3)) and eng.stats["slot_moves"] > 0
+    assert eng.compiled_programs() == 11 and full.compiled_programs() == 6  # moves and narrow steps compile nothing
+    assert set(full.stats) & {"decode_width_1", "decode_width_2"} == set() and full.stats["decode_width_3"] > 0
+    assert P.widths(1) == (1,) and P.widths(6) == (1, 2, 4, 6) and P.widths(16) == (1, 2, 4, 8, 16)
+    for bad in ((1, 2), (0, 3), (4,), ()):
+        with pytest.raises(ValueError, match="decode_widths"):
+            E.Engine(model, slots=3, decode_widths=bad)
 
 
 def test_chunk_plan_and_stop_text():

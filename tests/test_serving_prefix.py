@@ -88,8 +88,8 @@ def test_hits_give_the_cold_tokens_and_count_the_saved_prefill(setup):
     eng, cfg, cold, _ = setup
     n0 = eng.compiled_programs()
     assert (
-        n0 == 11
-    )  # decode, prefill x 3 buckets, insert, cache init x 2, rows / state / put rows / put state
+        n0 == 14
+    )  # decode x 2 widths (1, 2 slots), put (1), move, prefill x 3 buckets, insert, cache init x 2, rows / state / put rows / put state
     eng.prefix.clear()
     # A alone: five blocks of rows, states at 16, 32, 40: the bytes held are exactly those.
     rows, state = _sizes(cfg)

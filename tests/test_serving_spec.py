@@ -91,7 +91,7 @@ def _run(eng, reqs, late=2, after=3):
 def test_speculative_greedy_tokens_and_acceptance(setup):
     spec, ref = setup
     n0 = spec.compiled_programs()
-    assert n0 == 10  # decode, prefill x 2, insert, cache init x 2, the prefix cache's 4
+    assert n0 == 15  # decode x 3 widths (1, 2, 3 slots), put x 2, move, prefill x 2, insert, cache init x 2, the prefix cache's 4
     spec.stats.clear()
     out, last = _run(spec, [E.Request(p, max_tokens=n) for p, n in zip(PROMPTS, MAX_NEW)])
     expected = []

@@ -138,7 +138,9 @@ def bench_config(
     hf = random_hf_model(cfg, s.seed)
     with tempfile.TemporaryDirectory() as folder:
         hf.save_pretrained(folder)
-        _, model = hf_ckpt.load_hf_model(folder, dtype=jnp.float32, with_mtp=False)
+        # the routed experts' backend's own implementation (kernels.moe.api "auto": xla_cpu on CPU), as the
+        # entry points that serve or benchmark use; the layers' default "reference" is the differentiable oracle
+        _, model = hf_ckpt.load_hf_model(folder, dtype=jnp.float32, with_mtp=False, kernels={"moe": "auto"})
     build_s = time.perf_counter() - t
     n_params = count_params(model)
     log(f"[{name}] hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers ({''.join(k[0] for k in cfg.layer_types)}"

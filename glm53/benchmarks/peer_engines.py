@@ -43,7 +43,8 @@ class Glm53Engine:
     def prefill(self, cache, prompts_bp: np.ndarray):
         """One forward of [1, P]; B > 1 streams one after the other (`Generator.prefill`, the same program)."""
         if prompts_bp.shape[0] == 1:
-            _, logits, cache = self.gen.forward(cache, prompts_bp)
+            # the lm head of the last position only, as llama.cpp computes it
+            _, logits, cache = self.gen.forward(cache, prompts_bp, last_only=True)
             return cache, np.asarray(logits[:, -1], np.float32)
         out = []
         for s, prompt in enumerate(prompts_bp):

@@ -17,6 +17,7 @@ between two experts may differ).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import time
@@ -87,6 +88,38 @@ def run_streams(model, vocab: int, n: int, *, slots: int, prompt_len: int, max_n
         row["mtp_acceptance"] = row["mtp_accepted"] / row["mtp_drafted"]
     trace = {r.id: (r.prompt, toks[r.id], steps[r.id]) for r in reqs}
     return row, trace
+
+
+def step_costs(model, slots: list[int], options: dict[str, dict | None], *, max_len: int, rounds: int = 200,
+               full_slots: int = 0) -> list[dict]:  # fmt: skip
+    """The decode step's wall time (ms) at each slot count under each set of compile options (name -> the
+    engine's compiler_options), every program called in turn `rounds` times (interleaved: load on a shared
+    machine hits all alike): p10 and median per (slots, options). With full_slots, also the narrow steps of one
+    engine of full_slots slots ("narrow" rows: width b of full_slots, the engine's default options). Idle slots
+    cost what busy ones do (fixed shapes), so the steps run with every slot idle (no length advances)."""
+    progs = {}
+    for n in slots:
+        for name, opts in options.items():
+            eng = E.Engine(model, slots=n, max_len=max_len, buckets=(1,), decode_widths=(n,), compiler_options=opts)
+            progs[(n, name)] = eng, n
+    if full_slots:
+        eng = E.Engine(model, slots=full_slots, max_len=max_len, buckets=(1,))
+        for b in eng.decode_widths:
+            progs[(b, f"narrow of {full_slots}")] = eng, b
+    calls = {}
+    for key, (eng, b) in progs.items():
+        z, none = np.zeros(b, bool), [None] * b
+        args = (z, z, eng._masks(none), np.zeros(b, np.int32), eng._sampling_args(none, b))
+        calls[key] = functools.partial(eng._run_decode, *args)  # an idle step of width b (compiles here)
+        calls[key]()
+    times: dict = defaultdict(list)
+    for _ in range(rounds):
+        for key, call in calls.items():
+            t = time.perf_counter()
+            call()
+            times[key].append(time.perf_counter() - t)
+    return [{"slots": n, "options": name, "step_p10_ms": _pct(ts, 10), "step_p50_ms": _pct(ts, 50)}
+            for (n, name), ts in times.items()]  # fmt: skip
 
 
 def distinct_experts(model, trace: dict) -> dict | None:
@@ -163,4 +196,5 @@ def plot(rows: list[dict], png_path: str | os.PathLike, *, log: Callable = print
 
 
 def setting(row: dict) -> str:
-    return f"MTP {'on' if row.get('mtp') else 'off'}, prefix cache {'on' if row.get('prefix_cache') else 'off'}"
+    narrow = ", full-width steps" if row.get("narrow") is False else ""
+    return f"MTP {'on' if row.get('mtp') else 'off'}, prefix cache {'on' if row.get('prefix_cache') else 'off'}{narrow}"

@@ -31,6 +31,7 @@ from flax import nnx
 from gguf.constants import GGMLQuantizationType
 
 from glm53.checkpoint import gguf_rules as rules
+from glm53.checkpoint import slices
 from glm53.checkpoint.gguf_rules import Path, Target
 from glm53.checkpoint.hf import checkpoint_has_mtp, load_hf_weights, mtp_choice
 from glm53.config import ConfigError, ModelConfig, load_hf_config
@@ -48,6 +49,8 @@ _log = logging.getLogger(__name__)
 
 _ORDER = ("file", "metadata", "missing", "unexpected", "shape", "type", "value")
 _NUMPY_TYPES = {GGMLQuantizationType.F32: np.dtype("<f4"), GGMLQuantizationType.F16: np.dtype("<f2")}
+# Layouts read by block when a parameter spans processes (CONV / SSM_A / KV_B, all small: whole).
+_BY_BLOCK = (rules.SAME, rules.LINEAR)
 EXPERT_CHUNK_WEIGHTS = 1 << 26  # experts decoded per jnp call: at most this many weights (256 MiB of f32)
 
 
@@ -235,17 +238,35 @@ def _expert_tensors(g: GGUFModel, targets, problems: _Problems) -> dict[Path, Ex
     return out
 
 
+def _spans_processes(sharding) -> bool:
+    """Whether a placement spans devices of other processes (then each process reads only its own blocks)."""
+    return sharding is not None and not sharding.is_fully_addressable
+
+
 def _expert_value(et: ExpertTensor, abstract, put, problems: _Problems):
     """A routed-expert parameter from its GGUF tensor: a QuantizedExperts when the model keeps experts quantized
-    (the file's format must be the one the model was built for), else dense [E, in, out]; None on a problem."""
+    (the file's format must be the one the model was built for), else dense [E, in, out]; None on a problem.
+    On a mesh that spans processes every array is placed by its sharding from the blocks of this process's
+    devices only (`glm53.checkpoint.slices`: those experts / rows / input blocks are all it reads)."""
     if not isinstance(abstract, QuantizedExperts):
+        sharding = getattr(abstract, "sharding", None)
+        if _spans_processes(sharding):
+            return put(et.path, slices.expert_dense(et, np.dtype(abstract.dtype)), sharding)
         value = et.dequantize(np.dtype(abstract.dtype))
-        return put(et.path, value, getattr(abstract, "sharding", None))
+        return put(et.path, value, sharding)
     if et.format.name != abstract.format_name:
         problems.add(
             "type", f"{et.name}: {et.format.name}, but the model keeps this tensor as {abstract.format_name}"
         )
         return None
+    if any(_spans_processes(getattr(a, "sharding", None)) for a in jax.tree.leaves(abstract)):
+        e, out, inp = et.shape
+        if (e, inp, out) != tuple(abstract.shape):
+            problems.add("shape", f"{et.name}: got kernel shape {(e, inp, out)}, {et.format.name} ({abstract.layout}); "
+                                  f"the model expects kernel shape {tuple(abstract.shape)}, {abstract.format_name} "
+                                  f"({abstract.layout})")  # fmt: skip
+            return None
+        return slices.expert_planes(et, abstract, lambda source, sharding: put(et.path, source, sharding))
     q = et.quantized(abstract.layout)
     try:
         q.check_like(abstract, et.name)
@@ -288,6 +309,10 @@ def load_gguf_weights(
                 value = _expert_value(et, abstract, put, problems)
                 if value is None:
                     continue
+            elif t.kind in _BY_BLOCK and _spans_processes(getattr(abstract, "sharding", None)):
+                view = slices.gguf_decoded(g, infos[0].name, infos[0].format, infos[0].shape)
+                view = view.T if t.kind == rules.LINEAR else view  # read by block: only this process's
+                value = put(path, view.astype(np.dtype(abstract.dtype)), abstract.sharding)
             else:
                 value = rules.from_gguf(t.kind, [decode_tensor(g, info) for info in infos])
                 value = put(

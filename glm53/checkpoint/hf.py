@@ -26,12 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from glm53.checkpoint import hf_fp8
+from glm53.checkpoint import hf_fp8, slices
 from glm53.checkpoint.hf_fp8 import FP8_DTYPE, SCALE_DTYPES, QuantInfo, read_quant_info
 from glm53.checkpoint.hf_rules import Ignored, Mapped, Path, ShapeProblem, classify
 from glm53.config import load_hf_config
 from glm53.errors import CheckpointError
-from glm53.io.safetensors import SafetensorsFile
+from glm53.io.safetensors import DTYPES, SafetensorsFile
 from glm53.layers.param import path_str
 from glm53.model import Glm53Model
 from glm53.parallel import distributed
@@ -135,7 +135,7 @@ class _Loader:
     """State of one load: abstract targets, finished values, expert buffers, FP8 pairs, problems."""
 
     def __init__(self, targets, cfg, quant: QuantInfo, int8_select, put, report: LoadReport,
-                 skipped: frozenset = frozenset()):  # fmt: skip
+                 skipped: frozenset = frozenset(), lazy: bool = False):  # fmt: skip
         self.targets: dict[Path, jax.ShapeDtypeStruct] = targets
         self.skipped = (
             skipped  # params filled elsewhere (load_hf_weights(skip=...)): neither read nor required
@@ -152,6 +152,9 @@ class _Loader:
         self.rejected: set[str] = set()  # FP8 weights already reported (their scales are dropped silently)
         self.problems: dict[str, list[str]] = collections.defaultdict(list)
         self.num_mtp = 1 if any(p[0] == "mtp" for p in targets) else 0
+        # Several processes: bf16 / fp32 tensors become views (`glm53.checkpoint.slices.LazyArray`) read when
+        # placed, each process only the blocks of its own devices when the parameter spans processes.
+        self.lazy = lazy
 
     # ------------------------------------------------------------------ reading
     def read_file(self, path: str) -> None:
@@ -226,7 +229,7 @@ class _Loader:
             self.problems["dtype"].append(f"{key} ({fname}): unsupported dtype {dt} (expected one of "
                                           f"{FLOAT_DTYPES + (FP8_DTYPE,)})")  # fmt: skip
             return
-        self.place(c, self._read(sf, key), fname)
+        self.place(c, self._view(sf, key) if self.lazy else self._read(sf, key), fname)
 
     def _skipped(self, mapped: Mapped) -> bool:
         """Whether every parameter the key can map onto is skipped (then its bytes are not even read)."""
@@ -244,6 +247,17 @@ class _Loader:
         self.report.tensors_read += 1
         self.report.bytes_read += a.nbytes
         return a
+
+    def _view(self, sf: SafetensorsFile, key: str) -> slices.LazyArray:
+        """The tensor as a view read by box when placed (bytes_read counts what is read)."""
+        self.report.tensors_read += 1
+
+        def read(box):
+            a = sf.read_box(key, box)
+            self.report.bytes_read += a.nbytes
+            return a
+
+        return slices.LazyArray(read, sf.shape(key), DTYPES[sf.dtype(key)], f"{sf.path}, tensor '{key}'")
 
     def _dequantize_and_place(self, mapped: Mapped, w: np.ndarray, scale: np.ndarray, fname: str) -> None:
         try:
@@ -302,7 +316,7 @@ class _Loader:
                 )
                 continue
             if p.path not in self.experts:
-                buf = np.empty(shape, np.dtype(target.dtype))
+                buf = [None] * shape[0] if self.lazy else np.empty(shape, np.dtype(target.dtype))
                 self.experts[p.path] = (buf, np.zeros(shape[0], bool), mapped.key)
             buf, filled, _ = self.experts[p.path]
             if filled[p.expert]:
@@ -310,18 +324,27 @@ class _Loader:
                     f"{where}: expert {p.expert} of '{name}' was already loaded"
                 )
                 continue
-            buf[p.expert] = p.value.astype(buf.dtype)
+            buf[p.expert] = p.value if self.lazy else p.value.astype(buf.dtype)
             filled[p.expert] = True
             if filled.all():
                 del self.experts[p.path]
                 self.sources[p.path] = f"{shape[0]} per-expert tensors"
+                if self.lazy:
+                    buf = slices.Stacked(buf, np.dtype(target.dtype), name)
                 self.values[p.path] = self.finish(p.path, target, buf)
 
     def finish(self, path: Path, target, value: np.ndarray):
-        """Casts to the parameter dtype (or int8) and puts the value on device."""
+        """Casts to the parameter dtype (or int8) and puts the value on device (a view spanning processes: read
+        by `put` block by block, else read whole here)."""
         self.report.params_loaded += 1
         dtype = np.dtype(target.dtype)
-        if self.int8_select(path, tuple(target.shape)):
+        sharding = getattr(target, "sharding", None)
+        int8 = self.int8_select(path, tuple(target.shape))
+        if isinstance(value, (slices.LazyArray, slices.Stacked)):
+            if not int8 and sharding is not None and not sharding.is_fully_addressable:
+                return self.put(path, value.astype(dtype), sharding)
+            value = np.asarray(value)
+        if int8:
             self.report.int8_params += 1
             q = quantize_int8(value, dtype=dtype)
             sharding = getattr(target, "sharding", None)
@@ -430,7 +453,8 @@ def load_hf_weights(
     else:
         select = int8_filter if int8 else (lambda *a: False)
     report = LoadReport()
-    loader = _Loader(targets, cfg, read_quant_info(folder), select, put or _default_put, report, skipped)
+    loader = _Loader(targets, cfg, read_quant_info(folder), select, put or _default_put, report, skipped,
+                     lazy=distributed.process_count() > 1)  # fmt: skip
     for f in shard_files(folder):
         _log.info("reading %s", f)
         report.files.append(f)

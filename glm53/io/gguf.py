@@ -27,7 +27,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from glm53.errors import GGUFError
 from glm53.io.gguf_values import DEFAULT_READAHEAD, Cursor, GGUFValue, read_value, value_type
-from glm53.io.sources import ByteSource, SourceError, is_url, open_source
+from glm53.io.sources import ByteSource, SourceError, is_url, open_source, read_box
 from glm53.quant.formats import QuantFormat, UnknownFormatError, get_format
 
 __all__ = [
@@ -270,11 +270,15 @@ class GGUFFile:
 
     def _read(self, offset: int, nbytes: int, what: str) -> np.ndarray:
         out = np.empty(nbytes, dtype=np.uint8)
+        self._read_into(offset, memoryview(out), what)
+        return out
+
+    def _read_into(self, offset: int, view: memoryview, what: str) -> None:
+        """Every tensor byte read goes through here (one contiguous run)."""
         try:
-            self.source.read_into(offset, memoryview(out))
+            self.source.read_into(offset, view)
         except SourceError as e:
             raise GGUFError(f"{self.name}: cannot read {what}: {e}") from e
-        return out
 
     def read_tensor_bytes(self, name: str) -> np.ndarray:
         """The raw bytes of a tensor, [nbytes] uint8; reads exactly those bytes."""
@@ -299,6 +303,34 @@ class GGUFFile:
             )
         out = self._read(t.offset + row_start * row, (row_stop - row_start) * row, f"rows of tensor {name!r}")
         return out.reshape(row_stop - row_start, row)
+
+    def read_tensor_region(self, name: str, lead: tuple[slice, ...]) -> np.ndarray:
+        """Raw bytes of a box of the tensor's leading numpy axes (all but the last, whose row bytes come whole):
+        uint8 [*box shape, row bytes]. `lead` holds one slice (step 1) per leading axis, None bounds allowed.
+
+        Reads exactly the box's bytes: one read per contiguous run (every box row of the second-to-last axis is
+        contiguous; a box spanning that whole axis is one run per index of the axes before it, and so on). For
+        an expert tensor [E, rows, row bytes], ``(slice(a, b), slice(None))`` is experts [a, b) in one read.
+        """
+        t = self.tensor(name)
+        shape = t.shape
+        if not shape or len(lead) != len(shape) - 1:
+            raise ValueError(
+                f"{self.name}: {len(lead)} slices for the leading axes of {name!r}, shape {shape}"
+            )
+        box = []
+        for k, (s, n) in enumerate(zip(lead, shape[:-1])):
+            lo, hi, step = s.indices(n)
+            if step != 1 or hi < lo:
+                raise ValueError(
+                    f"{self.name}: {s} of axis {k} of {name!r} is not a range within its {n} entries"
+                )
+            box.append((lo, hi))
+        row = t.nbytes // math.prod(shape[:-1])
+        what = f"a region of tensor {name!r}"
+        return read_box(
+            lambda off, view: self._read_into(t.offset + off, view, what), shape[:-1], row, tuple(box)
+        )
 
     def read_tensor_data(self, name: str) -> np.ndarray:
         """The tensor as gguf-py presents it: typed with numpy shape for F32/F16/F64/I8..I64, else uint8 bytes
@@ -444,6 +476,9 @@ class GGUFModel:
 
     def read_tensor_rows(self, name: str, row_start: int, row_stop: int) -> np.ndarray:
         return self.shard_of(name).read_tensor_rows(name, row_start, row_stop)
+
+    def read_tensor_region(self, name: str, lead: tuple[slice, ...]) -> np.ndarray:
+        return self.shard_of(name).read_tensor_region(name, lead)
 
     def read_tensor_data(self, name: str) -> np.ndarray:
         return self.shard_of(name).read_tensor_data(name)

@@ -22,6 +22,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from glm53.errors import CheckpointError
+from glm53.io.sources import read_box
 
 # safetensors dtype names -> numpy dtypes.
 DTYPES: dict[str, np.dtype] = {
@@ -111,26 +112,50 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.tensors[name][1]
 
-    def read(self, name: str) -> np.ndarray:
-        """The tensor as a host numpy array of its stored dtype (ml_dtypes for BF16 / F8)."""
+    def _typed(self, name: str) -> tuple[np.dtype, tuple[int, ...], int, int]:
         if name not in self.tensors:
             raise self._err("no such tensor", name)
         dtype, shape, begin, end = self.tensors[name]
         if dtype not in DTYPES:
             raise self._err(f"dtype {dtype} has no numpy equivalent (sub-byte packed)", name)
-        out = np.empty(shape, DTYPES[dtype])
-        buf = memoryview(out.reshape(-1).view(np.uint8))
+        return DTYPES[dtype], shape, begin, end
+
+    def _read_into(self, f, offset: int, buf: memoryview, name: str) -> None:
+        """Every tensor byte read goes through here: `len(buf)` bytes at `offset` of the data section."""
         try:
-            with open(self.path, "rb") as f:
-                f.seek(self._data_start + begin)
-                got = 0
-                while got < end - begin:
-                    k = f.readinto(buf[got:])
-                    if not k:
-                        break
-                    got += k
+            f.seek(self._data_start + offset)
+            got = 0
+            while got < len(buf):
+                k = f.readinto(buf[got:])
+                if not k:
+                    break
+                got += k
         except OSError as e:
             raise self._err(f"cannot read: {e.strerror or e}", name) from e
-        if got != end - begin:
-            raise self._err(f"short read ({got} of {end - begin} bytes): the file is truncated", name)
+        if got != len(buf):
+            raise self._err(f"short read ({got} of {len(buf)} bytes): the file is truncated", name)
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor as a host numpy array of its stored dtype (ml_dtypes for BF16 / F8)."""
+        dtype, shape, begin, end = self._typed(name)
+        out = np.empty(shape, dtype)
+        try:
+            with open(self.path, "rb") as f:
+                self._read_into(f, begin, memoryview(out.reshape(-1).view(np.uint8)), name)
+        except OSError as e:
+            raise self._err(f"cannot read: {e.strerror or e}", name) from e
         return out
+
+    def read_box(self, name: str, box: tuple[tuple[int, int], ...]) -> np.ndarray:
+        """The box [lo, hi) per axis of a tensor (stored dtype), reading exactly its bytes: one read per
+        contiguous run (`glm53.io.sources.read_box`; a range of the leading axis is one read)."""
+        dtype, shape, begin, _ = self._typed(name)
+        try:
+            with open(self.path, "rb") as f:
+                raw = read_box(lambda off, view: self._read_into(f, begin + off, view, name), shape, dtype.itemsize,
+                               box)  # fmt: skip
+        except OSError as e:
+            raise self._err(f"cannot read: {e.strerror or e}", name) from e
+        except ValueError as e:
+            raise self._err(str(e), name) from None
+        return raw.view(dtype).reshape(raw.shape[:-1])

@@ -6,11 +6,14 @@ A source reads an exact byte range by offset. None maps a file or reads it whole
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import urllib.error
 import urllib.request
 from typing import Protocol, runtime_checkable
+
+import numpy as np
 
 __all__ = [
     "ByteSource",
@@ -20,6 +23,7 @@ __all__ = [
     "SourceError",
     "is_url",
     "open_source",
+    "read_box",
 ]
 
 
@@ -259,3 +263,30 @@ def open_source(path_or_url: str | os.PathLike, **http_kwargs) -> ByteSource:
     if is_url(path_or_url):
         return HTTPSource(str(path_or_url), **http_kwargs)
     return LocalFileSource(path_or_url)
+
+
+def read_box(read_into, shape: tuple[int, ...], item_nbytes: int, box: tuple[tuple[int, int], ...]):
+    """A box of a C-ordered array on disk: its bytes as uint8 [*box shape, item_nbytes], read with exactly the
+    box's bytes, one `read_into(offset, memoryview)` per contiguous run (offsets relative to the array's first
+    byte). `box`: one (lo, hi) per axis of `shape`, whose items are `item_nbytes` each. The innermost axes the box
+    spans whole fold into the run of the first partial axis before them: a box of whole trailing axes over a
+    leading range (e.g. experts [a, b) of [E, rows, cols]) is one read."""
+    box = tuple((int(lo), int(hi)) for lo, hi in box)
+    if len(box) != len(shape) or any(not 0 <= lo <= hi <= n for (lo, hi), n in zip(box, shape)):
+        raise ValueError(f"box {box} is not within shape {tuple(shape)}")
+    dims = tuple(hi - lo for lo, hi in box)
+    out = np.empty((*dims, item_nbytes), np.uint8)
+    if out.size == 0:
+        return out
+    k = len(box) - 1
+    while k > 0 and box[k] == (0, shape[k]):
+        k -= 1
+    if k < 0:  # a scalar
+        read_into(0, memoryview(out.reshape(-1)))
+        return out
+    strides = [math.prod(shape[j + 1 :]) * item_nbytes for j in range(len(shape))]
+    flat = out.reshape(-1, dims[k] * strides[k])
+    for i, idx in enumerate(np.ndindex(*dims[:k])):
+        start = sum((lo + x) * st for (lo, _), x, st in zip(box, idx, strides)) + box[k][0] * strides[k]
+        read_into(start, memoryview(flat[i]))
+    return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -30,7 +31,7 @@ class DecoderLayer(nnx.Module):
         self.attn_kind = cfg.layer_types[layer_idx]
         self.mlp_kind = cfg.mlp_layer_types[layer_idx]
         eps = cfg.rms_norm_eps
-        hc_impl = kernels.get("mhc", "reference")
+        hc_impl = kernels.get("mhc", dispatch.AUTO)
         self.attn_hc = HyperConnection(cfg, rngs=rngs, dtype=dtype, implementation=hc_impl)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, rngs=rngs, dtype=dtype)
         if self.attn_kind == "kda":
@@ -61,16 +62,25 @@ class DecoderLayer(nnx.Module):
         return dsa_lib.init_cache(cfg, batch, max_len, dtype, with_indexer=not self.self_attn.shared_indexer)
 
     def __call__(self, x_btnd, *, cache=None, start_b=None, selection=None):
-        """Returns (new streams, new layer cache or None, indexer selection (DSA) or the one passed in)."""
-        u, post, comb = self.attn_hc(x_btnd)
-        h = self.input_layernorm(u)
-        if self.attn_kind == "kda":
-            y, cache = self.self_attn(h, cache=cache, start_b=start_b)
-        else:
-            y, cache, selection = self.self_attn(h, cache=cache, start_b=start_b, selection=selection)
-        x_btnd = self.attn_hc.expand(x_btnd, y, post, comb)
+        """Returns (new streams, new layer cache or None, indexer selection (DSA) or the one passed in).
 
-        u, post, comb = self.ffn_hc(x_btnd)
-        y = self.mlp(self.post_attention_layernorm(u))
-        x_btnd = self.ffn_hc.expand(x_btnd, y, post, comb)
+        Each piece runs under a `jax.named_scope` (attn_hc, attn_kda / attn_dsa, ffn_hc, mlp / moe): the op
+        names in compiled programs and profiles say which sublayer an op belongs to."""
+        with jax.named_scope("attn_hc"):
+            u, post, comb = self.attn_hc(x_btnd)
+        with jax.named_scope(f"attn_{self.attn_kind}"):
+            h = self.input_layernorm(u)
+            if self.attn_kind == "kda":
+                y, cache = self.self_attn(h, cache=cache, start_b=start_b)
+            else:
+                y, cache, selection = self.self_attn(h, cache=cache, start_b=start_b, selection=selection)
+        with jax.named_scope("attn_hc"):
+            x_btnd = self.attn_hc.expand(x_btnd, y, post, comb)
+
+        with jax.named_scope("ffn_hc"):
+            u, post, comb = self.ffn_hc(x_btnd)
+        with jax.named_scope("mlp" if self.mlp_kind == "dense" else "moe"):
+            y = self.mlp(self.post_attention_layernorm(u))
+        with jax.named_scope("ffn_hc"):
+            x_btnd = self.ffn_hc.expand(x_btnd, y, post, comb)
         return x_btnd, cache, selection

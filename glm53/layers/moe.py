@@ -12,6 +12,7 @@ from glm53.layers.mlp import MLP
 from glm53.layers.param import param
 from glm53.quant.qweight import QuantizedExperts, expert_formats
 from kernels.moe import api as moe_api
+from kernels.moe.expert_list import ExpertList
 
 
 class Router(nnx.Module):
@@ -98,13 +99,16 @@ class Experts(nnx.Module):
 
     def __call__(self, x_td: jnp.ndarray, topk_ids_tk: jnp.ndarray, topk_w_tk: jnp.ndarray) -> jnp.ndarray:
         """x [T, D] with routing [T, K] -> weighted sum of the chosen experts' outputs [T, D] in x's dtype."""
+        ws = (self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value())
+        if any(isinstance(w, ExpertList) for w in ws):  # split for CPU decode (glm53.generate): only the
+            n_slots = topk_ids_tk.shape[0] * topk_ids_tk.shape[1]  # xla_cpu decode form reads the parts
+            if moe_api.select_implementation(self.implementation, n_slots, self.decode_max_slots) != "xla_cpu_decode":
+                ws = tuple(w.stacked() if isinstance(w, ExpertList) else w for w in ws)
         return moe_api.moe_experts(
             x_td,
             topk_ids_tk,
             topk_w_tk,
-            self.gate_proj.get_value(),
-            self.up_proj.get_value(),
-            self.down_proj.get_value(),
+            *ws,
             self.swiglu_limit,
             implementation=self.implementation,
             decode_max_slots=self.decode_max_slots,

@@ -124,12 +124,21 @@ def barrier(name: str) -> None:
 def put(value, sharding) -> jax.Array:
     """A host array (numpy, or anything with numpy indexing such as a memory map) as a device array with
     `sharding` (None: the default device). Each process reads only the blocks of its own devices
-    (`jax.make_array_from_callback`), so a global array is never assembled on one host."""
+    (`jax.make_array_from_callback`; a block several of them hold, once), so a global array is never assembled
+    on one host (`glm53.checkpoint.slices`: tensors on disk read by block)."""
     if sharding is None:
         return jnp.asarray(value)
     if sharding.is_fully_addressable:
         return jax.device_put(np.asarray(value), sharding)
-    return jax.make_array_from_callback(tuple(value.shape), sharding, lambda idx: np.asarray(value[idx]))
+    blocks = {}  # a block replicated on several of this process's devices is read once
+
+    def block(index):
+        key = tuple((i.start, i.stop, i.step) if isinstance(i, slice) else i for i in index)
+        if key not in blocks:
+            blocks[key] = np.asarray(value[index])
+        return blocks[key]
+
+    return jax.make_array_from_callback(tuple(value.shape), sharding, block)
 
 
 def to_host(x) -> np.ndarray:

@@ -1,9 +1,13 @@
 """Continuous batching: B slots of one fixed-shape jitted decode step that requests join and leave freely.
 
-Programs (all compiled once, at `warmup`; `compiled_programs` counts them):
-  * decode [B]: one token for every slot (tokens [B] in, next tokens [B] out), the cache donated; per-slot
-    sampling on device (temperature, top-p, top-k, a key from (seed, token index)); inactive slots are masked
-    (their length does not advance, their tokens are ignored), so a slot's rows hold garbage until it is reused;
+Programs (all compiled once, at `warmup`; `compiled_programs` counts them; built in glm53.serving.programs):
+  * decode [b] for each width b in `decode_widths` (default 1, 2, 4, ..., B): one token for each of the first b
+    slots (tokens [b] in, next tokens [b] out), the cache donated; per-slot sampling on device (temperature,
+    top-p, top-k, a key from (seed, token index)); inactive slots are masked (their length does not advance,
+    their tokens are ignored), so a slot's rows hold garbage until it is reused. New requests take the lowest
+    free slot and each step runs the smallest width covering the highest busy slot (idle slots above it cost
+    nothing; a narrower step returns its b rows, which `put` writes back); move: a busy slot's rows copied
+    into a free lower one, when that allows a narrower step;
   * prefill [1, C] for each bucket C: a new request is fed, a chunk per engine step between decode steps, into
     a batch-1 staging cache; a prompt of L tokens is split into bucket-sized chunks, largest first (the buckets
     include 1, so no chunk is ever padded: every chunk is exact);
@@ -37,8 +41,8 @@ import numpy as np
 from flax import nnx
 
 from glm53 import parallel as S
-from glm53 import sampling
 from glm53.model import Cache, Glm53Model
+from glm53.serving import programs as P
 from glm53.serving import speculative as spec
 from glm53.serving.prefix import PrefixCache, chunk_plan
 from glm53.serving.request import Event, QueueFull, Request, Sink  # noqa: F401 - the engine's API, re-exported
@@ -67,7 +71,9 @@ class _Seq:
 class Engine:
     """B slots over one model. `detokenize(ids) -> str` turns generated ids into text (None: no text, no stop
     strings). compiler_options go to every `jax.jit` (e.g. {"xla_backend_optimization_level": 0}: faster
-    compiles for tests). Not thread-safe except `submit`, `cancel` and the counters; drive it with `step` / `run`.
+    compiles for tests), on CPU on top of `programs.CPU_OPTIONS`. decode_widths: the decode step's widths
+    (None: 1, 2, 4, ..., slots; a sharded model: slots only). Not thread-safe except `submit`, `cancel` and the
+    counters; drive it with `step` / `run`.
     prefix_cache_bytes: the prefix cache's byte budget (0: off), prefix_block its block (tokens, a multiple of
     index_kpool); speculative: MTP speculative decoding (the model needs its MTP block). mesh / rules: the mesh
     and rule set a sharded model was placed with (caches are created in the rules' shardings)."""
@@ -86,6 +92,7 @@ class Engine:
         prefix_cache_bytes: int = 0,
         prefix_block: int = 16,
         speculative: bool = False,
+        decode_widths: Sequence[int] | None = None,
         mesh=None,
         rules="tp",
     ):
@@ -102,6 +109,10 @@ class Engine:
         self.cfg = model.cfg
         self.speculative = bool(speculative)
         self.slots, self.max_len, self.buckets = slots, max_len, tuple(buckets)
+        if decode_widths is None:
+            decode_widths = P.widths(slots) if mesh is None else (slots,)
+        self.decode_widths = P.check_widths(decode_widths, slots)
+        compiler_options = P.cpu_options(compiler_options)
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.detokenize = detokenize
         self.graphdef, self.state = nnx.split(model)
@@ -138,51 +149,33 @@ class Engine:
         def keys(seeds, counts):
             return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counts)
 
-        @functools.partial(jit, donate_argnums=(1,))
-        def decode(state, cache, tokens, drafts, active, verify, mask, counts, seeds, temp, top_p, top_k):
-            m = nnx.merge(gd, state)
-            h, new = m.hidden(tokens[:, None], cache=cache)
-            logits = jnp.where(mask, m.logits(h)[:, -1], -jnp.inf)  # mask [B, V]: constrained decoding
-            new = new.replace(length=jnp.where(active, new.length, cache.length))
-            return sampling.sample(logits, keys(seeds, counts), temp, top_p, top_k), new
-
-        @functools.partial(jit, donate_argnums=(1,))
-        def prefill(state, staging, tokens, h_prev):  # h_prev, h: used by the speculative variant
-            m = nnx.merge(gd, state)
-            h, staging = m.hidden(tokens, cache=staging)
-            return m.logits(h[:, -1:])[:, -1], h[:, -1:], staging
-
-        @functools.partial(jit, donate_argnums=(1,))
-        def insert(state, cache, staging, slot, logits, h_last, mask, seed, temp, top_p, top_k):
-            logits = jnp.where(mask, logits, -jnp.inf)
-            cache = jax.tree.map(
-                lambda a, s: jax.lax.dynamic_update_slice_in_dim(a, s.astype(a.dtype), slot, axis=0),
-                cache, staging,
-            )  # fmt: skip
-            tok = sampling.sample(logits, keys(seed, jnp.zeros((1,), jnp.int32)), temp, top_p, top_k)
-            return jnp.concatenate([tok, tok]), cache  # (first token, its draft: none here)
-
-        self._decode, self._prefill, self._insert = decode, prefill, insert
-        if self.speculative:
-            self._decode, self._prefill, self._insert = spec.build(gd, jit, keys)
+        decode, prefill, insert = (spec if self.speculative else P).build(gd, keys)
+        self._prefill, self._insert = jit(prefill, donate_argnums=(1,)), jit(insert, donate_argnums=(1,))
+        self._decodes = {b: jit(P.narrow(decode, b)) for b in self.decode_widths[:-1]}  # then `put`
+        self._decodes[self.slots] = jit(decode, donate_argnums=(1,))
+        # fresh functions: jit's cache, which `compiled_programs` counts, is per function (not per engine)
+        self._move = jit(lambda cache, src, dst: P.move(cache, src, dst), donate_argnums=(0,))
+        self._put = jit(lambda cache, rows: P.put(cache, rows), donate_argnums=(0,))
         self._init = jit(
             lambda state, b: self._place(nnx.merge(gd, state).init_cache(b, self.max_len)), static_argnums=(1,)
         )
 
     def compiled_programs(self) -> int:
-        """Programs compiled so far (decode, prefill per bucket, insert, cache init, the prefix cache's four):
-        constant after `warmup`."""
-        extra = self.prefix.programs if self.prefix else ()
-        return sum(f._cache_size() for f in (self._decode, self._prefill, self._insert, self._init, *extra))
+        """Programs compiled so far (decode per width, put per narrower width, move, prefill per bucket, insert,
+        cache init, the prefix cache's four): constant after `warmup`."""
+        extra = (*self._decodes.values(), *(self.prefix.programs if self.prefix else ()))
+        extra += (self._move, self._put) if len(self.decode_widths) > 1 else ()
+        return sum(f._cache_size() for f in (self._prefill, self._insert, self._init, *extra))
 
     def warmup(self, log: Callable[[str], None] | None = None) -> float:
         """Compiles every program once (a line per program to `log`); returns the seconds it took."""
         t0 = time.perf_counter()
-        b, z, none = self.slots, np.zeros(self.slots, bool), [None] * self.slots
-        self._run_decode(z, z, self._masks(none), np.zeros(b, np.int32), self._sampling_args(none, b))
-        if log:
-            log(f"compiled decode [{b} slots{', speculative' if self.speculative else ''}] "
-                f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
+        for b in self.decode_widths:
+            t, z, none = time.perf_counter(), np.zeros(b, bool), [None] * b
+            self._run_decode(z, z, self._masks(none), np.zeros(b, np.int32), self._sampling_args(none, b))
+            if log:
+                log(f"compiled decode [{b} slots{', speculative' if self.speculative else ''}] "
+                    f"({time.perf_counter() - t:.1f} s)")  # fmt: skip
         staging = self._new_staging()
         for c in self.buckets:
             t = time.perf_counter()
@@ -194,6 +187,8 @@ class Engine:
             jax.block_until_ready(self.prefix.warmup(self._new_staging()))
         staging = self._new_staging()  # a fresh one: the warm-up chunks may have run past max_len
         self._run_insert(staging, 0, logits, None)
+        if len(self.decode_widths) > 1:
+            self.cache = self._move(self.cache, 0, 0)
         self.warm = True
         dt = time.perf_counter() - t0
         if log:
@@ -215,9 +210,12 @@ class Engine:
         return int(tok)
 
     def _run_decode(self, active, verify, mask, counts, args) -> np.ndarray:
-        """tokens [B] (plain), or rows (y0, y1, accepted, next draft) [B, 4] (speculative): the host transfer."""
-        a = (self.state, self.cache, self._tokens, self._drafts, active, verify, mask, counts, *args)
-        out, self.cache = self._decode(*a)
+        """The step of width b = len(active) over the first b slots: tokens [b] (plain), or rows (y0, y1,
+        accepted, next draft) [b, 4] (speculative): the host transfer."""
+        b = len(active)
+        a = (self.state, self.cache, self._tokens[:b], self._drafts[:b], active, verify, mask, counts, *args)
+        out, new = self._decodes[b](*a)
+        self.cache = new if b == self.slots else self._put(self.cache, new)
         return np.asarray(out)
 
     # ---- constrained decoding (Request.constraint): a bool mask [n, V] per step; no slot constrained: the
@@ -386,15 +384,39 @@ class Engine:
             return self._finish(seq, "length", [tok], text + seq.stop.flush())
         seq.sink(Event(seq.req.id, [tok], text))
 
+    def _width(self, n: int) -> int:
+        return next(w for w in self.decode_widths if w >= n)
+
+    def _compact(self) -> None:
+        """Moves the highest busy slot into the lowest free one while that allows a narrower decode step (the
+        prefilling request's reserved slot is simply reassigned: its rows are written at insert)."""
+        pre = self._prefilling
+        while True:
+            busy = set(self._active) | ({pre.slot} if pre else set())
+            top, free = max(busy), min(set(range(self.slots)) - busy, default=self.slots)
+            if free > top or self._width(len(busy)) >= self._width(top + 1):
+                return
+            if pre is not None and pre.slot == top:
+                pre.slot = free
+                continue
+            seq = self._active.pop(top)
+            self.cache = self._move(self.cache, top, free)
+            self._tokens[free], self._drafts[free], seq.slot = self._tokens[top], self._drafts[top], free
+            self._active[free] = seq
+            self.stats["slot_moves"] += 1
+
     def _decode_step(self) -> None:
-        b = self.slots
+        if len(self.decode_widths) > 1:
+            self._compact()
+        b = self._width(max(self._active) + 1)  # the smallest width covering the busy slots
+        self.stats[f"decode_width_{b}"] += 1
         active = np.zeros(b, bool)
         counts = np.zeros(b, np.int32)
         seqs = [self._active.get(i) for i in range(b)]
         for i, s in enumerate(seqs):
             if s is not None:
                 active[i], counts[i] = True, len(s.generated)
-        drafts = self._drafts.copy()
+        drafts = self._drafts[:b].copy()
         verify = np.asarray([s is not None and s.req.temperature <= 0 and not s.forced
                              and s.req.constraint is None for s in seqs])  # fmt: skip
         t0 = time.perf_counter()

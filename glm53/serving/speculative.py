@@ -53,9 +53,9 @@ def _roll_back(cache: Cache, keep: jnp.ndarray) -> Cache:
     return cache.replace(layers=tuple(one(c) for c in cache.layers))
 
 
-def build(graphdef, jit, keys):
-    """The speculative decode, prefill and insert programs (see the module docstring); `keys(seeds, counts)`
-    makes the per-slot sampling keys, `jit` compiles."""
+def build(graphdef, keys):
+    """The speculative decode, prefill and insert functions (see the module docstring; not compiled: the engine
+    compiles them); `keys(seeds, counts)` makes the per-slot sampling keys."""
     gd = graphdef
 
     def decode(state, cache, tokens, drafts, active, verify, mask, counts, seeds, temp, top_p, top_k):
@@ -100,5 +100,4 @@ def build(graphdef, jit, keys):
         )
         return jnp.stack([tok[0], jnp.argmax(dl[0, -1]).astype(jnp.int32)]), cache
 
-    return (jit(decode, donate_argnums=(1,)), jit(prefill, donate_argnums=(1,)),
-            jit(insert, donate_argnums=(1,)))  # fmt: skip
+    return decode, prefill, insert

@@ -41,6 +41,24 @@ def mhc_pre(
     sinkhorn_iters: int,
 ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """Mixing weights of one mHC site and the collapsed sublayer input; returns (u_btd, post_btn, comb_btnn)."""
+    pre, post, comb = mixing_weights(
+        x_btnd, fn, base, scale, eps=eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters
+    )
+    u = jnp.sum(pre[..., None] * x_btnd.astype(jnp.float32), axis=2).astype(x_btnd.dtype)
+    return u, post, comb
+
+
+def mixing_weights(
+    x_btnd: jnp.ndarray,
+    fn: jnp.ndarray,
+    base: jnp.ndarray,
+    scale: jnp.ndarray,
+    *,
+    eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    """One mHC site's f32 weights from the streams: (pre_btn, post_btn, comb_btnn) (docs/architecture.md §5)."""
     b, t, n, d = x_btnd.shape
     f = x_btnd.reshape(b, t, n * d).astype(jnp.float32)
     f = f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + eps)  # unweighted RMS norm
@@ -51,8 +69,7 @@ def mhc_pre(
     post = 2.0 * jax.nn.sigmoid(m[..., n : 2 * n] * scale[1] + base[n : 2 * n])  # [B, T, n]
     comb_logits = (m[..., 2 * n :] * scale[2] + base[2 * n :]).reshape(b, t, n, n)
     comb = sinkhorn(comb_logits, hc_eps=hc_eps, iters=sinkhorn_iters)
-    u = jnp.sum(pre[..., None] * x_btnd.astype(jnp.float32), axis=2).astype(x_btnd.dtype)
-    return u, post, comb
+    return pre, post, comb
 
 
 def mhc_post(

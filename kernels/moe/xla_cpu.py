@@ -5,8 +5,10 @@ DISTINCT routed experts (a `lax.fori_loop` whose trip count is their number U, s
 expert no slot was routed to) and, per expert, read its weights once:
 
 - dense kernels [E, in, out]: `lax.dynamic_index_in_dim` of the expert, contracted in the kernel's own
-  orientation (XLA:CPU feeds the slice to the dot without a copy; a gather + transpose of several experts, as
-  `xla_quant` does, costs more than the matmuls themselves on CPU);
+  orientation (a gather + transpose of several experts, as `xla_quant` does, costs more than the matmuls
+  themselves on CPU). XLA:CPU still copies that slice before the dot; the decode form also takes
+  `ExpertList`s (kernels/moe/expert_list.py: one array per expert, picked by a `lax.switch`, no copy), which
+  is what `glm53.generate.Generator` decodes with;
 - `QuantizedExperts`: the experts' planes are gathered and dequantized once, a chunk of experts at a time
   outside any loop (decode: one expert per chunk, so its f32 weights are still in cache when its matmuls read
   them; prefill: 8), each chunk skipped by a `lax.cond` when it holds no routed expert.
@@ -31,7 +33,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from glm53.quant.qweight import QuantizedExperts
-from kernels.moe import routing
+from kernels.moe import expert_list, routing
+from kernels.moe.expert_list import ExpertList
 from kernels.moe.reference import clamped_swiglu
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -144,7 +147,12 @@ def moe_experts_decode(
         return y_td + comb_t[:, None] * _ffn(x_td, mats, swiglu_limit)
 
     ws = (w_gate, w_up, w_down)
-    y = _for_each_expert(uniq, n_u, ws, x_td.dtype, chunk_experts, process, jnp.zeros((t, d), jnp.float32))
+    y0 = jnp.zeros((t, d), jnp.float32)
+    if all(isinstance(w, ExpertList) for w in ws):  # separate expert arrays: read in place (expert_list.py)
+        y = expert_list.for_each_expert(uniq, n_u, ws, x_td.dtype, process, y0)
+    else:
+        ws = tuple(w.stacked() if isinstance(w, ExpertList) else w for w in ws)
+        y = _for_each_expert(uniq, n_u, ws, x_td.dtype, chunk_experts, process, y0)
     return y.astype(x_td.dtype)
 
 

@@ -1,0 +1,151 @@
+"""One `glm53.serving.engine.Engine` over several JAX processes: process 0 leads, the others replay its programs.
+
+Multi-controller JAX needs every process to call the same jitted programs, in the same order, with the same
+inputs. The engine's host logic (queue, scheduler, stop strings, constraints, sinks, HTTP) runs on process 0
+only, so its program calls are announced: `lead(engine)` replaces every jitted program of the engine (any
+attribute, or dict of them, holding a `jax.jit` function: decode per width, prefill, insert, cache init, slot
+moves, ...) by a proxy that first broadcasts the call (`multihost_utils.broadcast_one_to_all` of a pickled
+record) and then runs it; `follow(engine)` on every other process receives the records and makes the same calls
+on its own engine. Device arrays travel as handles: the arrays the engine holds when it is wrapped (model state,
+cache) and every output of every announced call are numbered in the same order in all processes; the leader
+announces the handles it no longer holds (weak references) so the followers drop them too. Host values (tokens,
+slots, sampling parameters, masks) travel by value; a process-local device array (e.g. the all-true mask) by its
+value. Outputs come to the host as usual (a replicated output: no gather).
+
+Both processes must build the same engine (same model placement, options) before `lead` / `follow`, and the
+leader calls `stop(engine)` at the end (the followers return). Not replayed: the prefix cache (its programs are
+chosen by host state): `prefix_cache_bytes` must be 0.
+"""
+
+from __future__ import annotations
+
+import pickle
+import weakref
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+_JIT = type(jax.jit(lambda x: x))
+_STOP, _CALL = "stop", "call"
+
+
+def _programs(engine) -> dict[tuple, object]:
+    """(attribute,) or (attribute, key) -> the engine's jitted programs, in a fixed order."""
+    out = {}
+    for name in sorted(vars(engine)):
+        v = getattr(engine, name)
+        if isinstance(v, _JIT):
+            out[(name,)] = v
+        elif isinstance(v, dict) and v and all(isinstance(f, _JIT) for f in v.values()):
+            out.update({(name, k): f for k, f in sorted(v.items())})
+    return out
+
+
+def _held_arrays(engine) -> list[jax.Array]:
+    """The device arrays the engine holds, in a fixed order (the first handles)."""
+    return [x for name in sorted(vars(engine)) for x in jax.tree.leaves(getattr(engine, name))
+            if isinstance(x, jax.Array)]  # fmt: skip
+
+
+def _broadcast(record) -> object:
+    """The leader's `record` in every process (followers pass None)."""
+    leader = jax.process_index() == 0
+    data = np.frombuffer(pickle.dumps(record), np.uint8) if leader else np.zeros(0, np.uint8)
+    n = int(multihost_utils.broadcast_one_to_all(np.asarray([data.size], np.int64))[0])
+    buf = np.zeros(n, np.uint8)
+    buf[: data.size] = data
+    return pickle.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes())
+
+
+class _Leader:
+    def __init__(self, engine):
+        if getattr(engine, "prefix", None):
+            raise ValueError(
+                "several processes: the prefix cache is not replayed (prefix_cache_bytes must be 0)"
+            )
+        self.next = 0
+        self.handles: dict[int, tuple[int, weakref.ref]] = {}  # id(array) -> (handle, weak reference)
+        self.dropped: list[int] = []
+        for x in _held_arrays(engine):
+            self._register(x)
+
+    def _register(self, x: jax.Array) -> None:
+        h, self.next = self.next, self.next + 1
+        key = id(x)
+        self.handles[key] = (h, weakref.ref(x, lambda _, key=key, h=h: self._gone(key, h)))
+
+    def _gone(self, key: int, h: int) -> None:
+        if self.handles.get(key, (None,))[0] == h:
+            del self.handles[key]
+        self.dropped.append(h)
+
+    def _encode(self, x):
+        if isinstance(x, jax.Array):
+            entry = self.handles.get(id(x))
+            if entry is not None and entry[1]() is x:
+                return ("h", entry[0])
+            if not x.is_fully_addressable:
+                raise ValueError("a device array spanning processes that no announced program produced")
+            return ("v", np.asarray(x))
+        return ("v", x)
+
+    def call(self, key: tuple, fn, args, kwargs):
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        dropped, self.dropped = self.dropped, []
+        _broadcast((_CALL, key, tree, [self._encode(x) for x in leaves], dropped))
+        out = fn(*args, **kwargs)
+        for x in jax.tree.leaves(out):
+            if isinstance(x, jax.Array):
+                self._register(x)
+        return out
+
+
+class _Proxy:
+    """A jitted program whose calls are announced first (`Engine.compiled_programs` still counts its cache)."""
+
+    def __init__(self, leader: _Leader, key: tuple, fn):
+        self.leader, self.key, self.fn = leader, key, fn
+
+    def __call__(self, *args, **kwargs):
+        return self.leader.call(self.key, self.fn, args, kwargs)
+
+    def _cache_size(self) -> int:
+        return self.fn._cache_size()
+
+
+def lead(engine) -> None:
+    """Process 0: every jitted program of `engine` is announced to the other processes before it runs."""
+    leader = _Leader(engine)
+
+    for key, fn in _programs(engine).items():
+        if len(key) == 1:
+            setattr(engine, key[0], _Proxy(leader, key, fn))
+        else:
+            getattr(engine, key[0])[key[1]] = _Proxy(leader, key, fn)
+    engine._multihost_leader = leader
+
+
+def stop(engine) -> None:
+    """Process 0: the followers return from `follow` (call once, at the end)."""
+    _broadcast((_STOP,))
+
+
+def follow(engine) -> int:
+    """Every process but 0: replays the leader's program calls on `engine` until `stop`; returns their count."""
+    programs = _programs(engine)
+    held = _held_arrays(engine)
+    table, nxt, n = dict(enumerate(held)), len(held), 0
+    while True:
+        record = _broadcast(None)
+        if record[0] == _STOP:
+            return n
+        _, key, tree, leaves, dropped = record
+        for h in dropped:
+            table.pop(h, None)
+        args, kwargs = jax.tree.unflatten(tree, [table[v] if k == "h" else v for k, v in leaves])
+        out = programs[key](*args, **kwargs)
+        for x in jax.tree.leaves(out):
+            if isinstance(x, jax.Array):
+                table[nxt], nxt = x, nxt + 1
+        n += 1

@@ -1,0 +1,108 @@
+"""The serving engine's programs (glm53.serving.engine): the plain decode / prefill / insert functions, the decode
+step narrowed to the first b slots, and the XLA:CPU options the engine compiles them with.
+
+Narrow decode steps: a decode step over B slots costs B rows of every matmul and attention whatever number of
+slots is busy. The engine therefore compiles the step for widths b in `widths(B)` = (1, 2, 4, ..., B): width b
+takes b rows of tokens, masks and sampling arguments and reads the first b rows of every cache array. Requests
+are admitted into the lowest free slot and each step runs the smallest width covering the highest busy slot, so
+one stream in a 16-slot engine pays a 1-slot step. When requests leave holes below the highest busy slot and
+moving it down would allow a narrower step, the engine moves it (`move`: its cache rows copied to the free slot).
+A narrower step is two programs: the step, which reads its b rows of the cache and returns their new values, then
+`put`, which writes them back in place (the cache donated). As one program (slice, step, write back into the
+donated cache) XLA:CPU copied every cache array whole, twice, per step. Every row's computation is the
+full-width step's (the same function per row; sampling keys come from (seed, token index), not from the slot):
+greedy and sampled tokens are the same (tests/test_serving_engine.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glm53 import sampling
+
+# XLA:CPU options of every engine program on CPU (`cpu_options`; a caller's compiler_options are added on top).
+# YNNPACK fusions off: XLA:CPU turns the decode step's multi-row dots ([b, 256] x [256, 512] on glm53-mini) into
+# YNNPACK fusions that ran slower than its own dot emitter / Eigen; a 1-row dot is a gemv either way. Measured
+# (glm53-mini, decode step alone, `experiments.bench_serve --step_costs`, 300 interleaved calls per program, p10,
+# 2 loaded cores): time with / without the fusions at 1 / 2 / 4 / 8 / 16 slots = 0.92 / 0.94 / 0.80 / 0.76 /
+# 0.75. xla_cpu_prefer_vector_width=512 on top: 0.86 / 0.96 / 1.02 / 1.05 / 1.04 (noise: not taken);
+# xla_cpu_parallel_codegen_split_count=1, xla_cpu_multi_thread_eigen=false: no consistent change;
+# xla_cpu_use_thunk_runtime no longer exists. The fusions also crashed XLA:CPU on the train step
+# (glm53.train.step.CPU_OPTIONS).
+CPU_OPTIONS: dict = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def cpu_options(options: dict | None) -> dict | None:
+    """The options the engine compiles with: on CPU `CPU_OPTIONS` updated by `options` (a None value drops the
+    option: XLA's default); elsewhere `options`."""
+    if jax.default_backend() != "cpu":
+        return options
+    return {k: v for k, v in {**CPU_OPTIONS, **(options or {})}.items() if v is not None} or None
+
+
+def widths(slots: int) -> tuple[int, ...]:
+    """The decode widths compiled for `slots` slots: the powers of two below it, then `slots`."""
+    return tuple(1 << i for i in range(slots.bit_length()) if 1 << i < slots) + (slots,)
+
+
+def check_widths(ws, slots: int) -> tuple[int, ...]:
+    """`ws` sorted and checked (ValueError naming decode_widths): integers in [1, slots] including slots."""
+    out = tuple(sorted(set(ws)))
+    if not out or out[-1] != slots or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in out):
+        raise ValueError(f"decode_widths={tuple(ws)!r}: integers in [1, slots={slots}] including {slots}")
+    return out
+
+
+def narrow(decode: Callable, b: int) -> Callable:
+    """`decode(state, cache, *rows)` (every `rows` argument has b rows) on the first b rows of a wider cache,
+    which it only reads: -> (out, the b rows' new cache), which `put` writes back (a second program)."""
+
+    def run(state, cache, *rows):
+        return decode(state, jax.tree.map(lambda a: a[:b], cache), *rows)
+
+    return run
+
+
+def put(cache, rows):
+    """The cache with `rows` (a cache of its first b slots) written over its first b slots (donate `cache`)."""
+    return jax.tree.map(lambda a, n: jax.lax.dynamic_update_slice_in_dim(a, n.astype(a.dtype), 0, axis=0), cache, rows)
+
+
+def move(cache, src, dst):
+    """The cache with slot `src`'s rows (every array, every position) copied over slot `dst`'s."""
+    return jax.tree.map(
+        lambda a: jax.lax.dynamic_update_slice_in_dim(a, jax.lax.dynamic_slice_in_dim(a, src, 1), dst, axis=0),
+        cache,
+    )
+
+
+def build(graphdef, keys: Callable):
+    """The plain decode, prefill and insert functions (not compiled; the engine's docstring says what each
+    does); `keys(seeds, counts)` makes the per-slot sampling keys."""
+    gd = graphdef
+
+    def decode(state, cache, tokens, drafts, active, verify, mask, counts, seeds, temp, top_p, top_k):
+        m = nnx.merge(gd, state)
+        h, new = m.hidden(tokens[:, None], cache=cache)
+        logits = jnp.where(mask, m.logits(h)[:, -1], -jnp.inf)  # mask [B, V]: constrained decoding
+        new = new.replace(length=jnp.where(active, new.length, cache.length))
+        return sampling.sample(logits, keys(seeds, counts), temp, top_p, top_k), new
+
+    def prefill(state, staging, tokens, h_prev):  # h_prev, h: used by the speculative variant
+        m = nnx.merge(gd, state)
+        h, staging = m.hidden(tokens, cache=staging)
+        return m.logits(h[:, -1:])[:, -1], h[:, -1:], staging
+
+    def insert(state, cache, staging, slot, logits, h_last, mask, seed, temp, top_p, top_k):
+        logits = jnp.where(mask, logits, -jnp.inf)
+        cache = jax.tree.map(
+            lambda a, s: jax.lax.dynamic_update_slice_in_dim(a, s.astype(a.dtype), slot, axis=0), cache, staging
+        )
+        tok = sampling.sample(logits, keys(seed, jnp.zeros((1,), jnp.int32)), temp, top_p, top_k)
+        return jnp.concatenate([tok, tok]), cache  # (first token, its draft: none here)
+
+    return decode, prefill, insert
