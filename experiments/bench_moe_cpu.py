@@ -1,7 +1,7 @@
 """Routed-expert layer times on the CPU, dense vs UD-IQ3_XXS experts; fields: glm53/benchmarks/moe_cpu.py.
 
   python -m experiments.bench_moe_cpu --tokens=1,8 --impls=xla_quant,xla_cpu,mlp \\
-      --weights=dense,planes,reencoded --repeats=5 --out=bench_moe_cpu.json
+      --weights=dense,split,planes,reencoded --repeats=5 --out=bench_moe_cpu.json
 
 Prints one line per (tokens, weights, impl): median time and the slowdown vs the same impl on dense weights;
 --out writes {"shape", "records", "machine"} as JSON.
@@ -19,7 +19,7 @@ _TOKENS = flags.DEFINE_list("tokens", ["1", "8", "64", "512"], "Token counts T (
 _IMPLS = flags.DEFINE_list(
     "impls", ["reference", "xla_quant", "xla_cpu", "mlp"], "moe_experts impls, or mlp."
 )
-_WEIGHTS = flags.DEFINE_list("weights", list(moe_cpu.KINDS), "Expert weights: dense, planes, reencoded.")
+_WEIGHTS = flags.DEFINE_list("weights", list(moe_cpu.KINDS), "Expert weights: dense, split (per-expert views), planes, reencoded.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed rounds (after one warm-up call each).")
 _EXPERTS = flags.DEFINE_integer("experts", 32, "Routed experts E.")
 _HIDDEN = flags.DEFINE_integer("hidden", 1024, "Hidden size D (a multiple of 256).")

@@ -25,7 +25,7 @@ def _bench(*args, tmp_path=None):
 def test_entry_point_writes_the_json(tmp_path):
     out = tmp_path / "moe_cpu.json"
     proc = _bench(
-        "--tokens=2", "--impls=xla_cpu,mlp", "--weights=dense,reencoded", "--repeats=2", f"--out={out}"
+        "--tokens=2", "--impls=xla_cpu,mlp", "--weights=dense,split,reencoded", "--repeats=2", f"--out={out}"
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -33,7 +33,7 @@ def test_entry_point_writes_the_json(tmp_path):
     assert r["machine"]["backend"] == "cpu" and "jax" in r["machine"]["versions"]
     recs = {(x["tokens"], x["weights"], x["impl"]): x for x in r["records"]}
     assert set(recs) == {(t, k, i) for t in (2,) for k, i in
-                         (("dense", "xla_cpu"), ("reencoded", "xla_cpu"), ("mlp", "mlp"))}  # fmt: skip
+                         (("dense", "xla_cpu"), ("split", "xla_cpu"), ("reencoded", "xla_cpu"), ("mlp", "mlp"))}  # fmt: skip
     for (t, _kind, impl), x in recs.items():
         assert len(x["samples_s"]) == 2 and x["min_s"] <= x["median_s"] and x["median_s"] > 0
         assert 1 <= x["distinct_experts"] <= min(t * 2, 4)

@@ -2,8 +2,9 @@
 
 Entry point: `python -m experiments.bench_moe_cpu` (flags and output there). Default shape: configs/tiny.py:small's
 MoE layer (hidden 1024, expert width 256, 32 experts, top-4), uniform routing (seeded). Weights: "dense" f32
-kernels, or the UD-IQ3_XXS common layer (IQ2_S gate/up, IQ3_S down) as QuantizedExperts in the "planes" or
-"reencoded" layout. "mlp" is the dense SwiGLU MLP of width top_k * expert width (the routed experts' active FLOPs;
+kernels, "split": the same kernels as per-expert views (`kernels.moe.expert_list.ExpertList`, what
+`glm53.generate.Generator` decodes with on CPU; timed only where the xla_cpu decode form runs), or the UD-IQ3_XXS
+common layer (IQ2_S gate/up, IQ3_S down) as QuantizedExperts in the "planes" or "reencoded" layout. "mlp" is the dense SwiGLU MLP of width top_k * expert width (the routed experts' active FLOPs;
 its weights do not depend on the experts' kind). An implementation with a form (xla_cpu) runs its decode form
 for T*K <= 64 slots, else its prefill form, as "auto" does.
 
@@ -24,11 +25,11 @@ import numpy as np
 
 from glm53.benchmarks import harness
 from glm53.quant.qweight import QuantizedExperts
-from kernels.moe import api
+from kernels.moe import api, expert_list
 
 LIMIT = 10.0
 UD = {"gate": "IQ2_S", "up": "IQ2_S", "down": "IQ3_S"}
-KINDS = ("dense", "planes", "reencoded")
+KINDS = ("dense", "split", "planes", "reencoded")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +64,9 @@ def make_weights(kind: str, shape: Shape = Shape()) -> dict:
         raise ValueError(f"weights: unknown kind {kind!r}; choose from {list(KINDS)}")
     kernels = shape.kernels()
     keys = jax.random.split(jax.random.key(0), 3)
-    if kind == "dense":
-        return {m: 0.02 * jax.random.normal(k, kernels[m], jnp.float32) for m, k in zip(kernels, keys)}
+    if kind in ("dense", "split"):
+        w = {m: 0.02 * jax.random.normal(k, kernels[m], jnp.float32) for m, k in zip(kernels, keys)}
+        return {m: expert_list.split_experts(v) for m, v in w.items()} if kind == "split" else w
     rnd = jax.jit(QuantizedExperts.random, static_argnums=(1, 2, 3))
     return {m: rnd(k, kernels[m], UD[m], kind) for m, k in zip(kernels, keys)}
 
@@ -120,6 +122,8 @@ def run(tokens, impls, kinds, repeats: int = 5, shape: Shape = Shape(), log=prin
         for kind in kinds:
             ws = weights[kind]
             for impl in (i for i in impls if i != "mlp"):
+                if kind == "split" and api.select_implementation(impl, t * shape.top_k) != "xla_cpu_decode":
+                    continue  # per-expert views are read by the xla_cpu decode form only
                 fns[kind, impl] = functools.partial(
                     call, x, ids, w, ws["gate"], ws["up"], ws["down"], impl=impl
                 )
