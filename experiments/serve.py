@@ -24,6 +24,8 @@ from experiments import cli
 from glm53 import assets, build, tokenizer
 from glm53.config import model_config_from_dict
 from glm53.model import count_params
+from glm53.parallel import distributed
+from glm53.serving import multihost
 from glm53.serving.app import make_app
 from glm53.serving.engine import Engine
 from glm53.serving.reasoning import THINK_CLOSE, THINK_OPEN
@@ -86,8 +88,19 @@ def main(argv):
         jax.config.update("jax_compilation_cache_dir", _CACHE.value)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     weights, label = assets.resolve(_WEIGHTS.value, _CONFIG.value)
-    # One device, unsharded: every program's inputs and outputs then share one layout (no recompilation).
-    if weights is None:
+    several = distributed.process_count() > 1
+    engine_kw = {}
+    if several:
+        # Several processes (--coordinator ...): the model on the config's mesh over all processes' devices,
+        # one engine driven by process 0 (glm53.serving.multihost); the others replay its program calls.
+        if _PREFIX_MB.value:
+            raise app.UsageError("--prefix_cache_mb: must be 0 with several processes (not replayed across them)")
+        run = build.sharded_model(_CONFIG.value, weights=weights, dtype=build.parse_dtype(_DTYPE.value),
+                                  with_mtp=_SPEC.value, kernels={"moe": _MOE_IMPL.value})  # fmt: skip
+        cfg, model = run.cfg, run.model
+        engine_kw = dict(mesh=run.mesh, rules=run.rules)
+    # One process: one device, unsharded: every program's inputs and outputs share one layout (no recompilation).
+    elif weights is None:
         cfg = model_config_from_dict(_CONFIG.value.model)
         model = build.random_model(cfg, seed=_CONFIG.value.seed, dtype=build.parse_dtype(_CONFIG.value.param_dtype),
                                    quant=build.quant_from_experiment_config(_CONFIG.value), with_mtp=_SPEC.value,
@@ -106,8 +119,14 @@ def main(argv):
     engine = Engine(model, slots=_SLOTS.value, max_len=_MAX_LEN.value, buckets=buckets,
                     eos_ids=cfg.eos_token_ids, max_queue=_QUEUE.value, prefix_cache_bytes=_PREFIX_MB.value << 20,
                     prefix_block=_PREFIX_BLOCK.value, speculative=_SPEC.value,
-                    decode_widths=None if _NARROW.value else (_SLOTS.value,),
-                    detokenize=detokenizer(tok, keep=(THINK_OPEN, THINK_CLOSE)))  # fmt: skip
+                    decode_widths=None if _NARROW.value and not several else (_SLOTS.value,),
+                    detokenize=detokenizer(tok, keep=(THINK_OPEN, THINK_CLOSE)), **engine_kw)  # fmt: skip
+    if several and not distributed.is_main_process():
+        n = multihost.follow(engine)  # until process 0 stops serving
+        print(f"replayed {n} program calls of process 0", flush=True)
+        return
+    if several:
+        multihost.lead(engine)
     print(f"model {name!r}: {_SLOTS.value} slots x {_MAX_LEN.value} positions, prefill buckets {buckets}, prefix "
           f"cache {_PREFIX_MB.value} MiB (blocks of {_PREFIX_BLOCK.value}), MTP speculative "
           f"{'on' if _SPEC.value else 'off'}", flush=True)  # fmt: skip
@@ -118,7 +137,11 @@ def main(argv):
     host, port = sock.getsockname()[:2]
     print(f"listening on http://{host}:{port}", flush=True)
     config = uvicorn.Config(application, log_level="warning", timeout_graceful_shutdown=2)
-    uvicorn.Server(config).run(sockets=[sock])
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        if several:
+            multihost.stop(engine)
 
 
 if __name__ == "__main__":

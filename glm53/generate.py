@@ -101,16 +101,18 @@ class GenerationResult:
 _EXPERT_MATRICES = ("gate_proj", "up_proj", "down_proj")
 
 
-def decode_state(model: Glm53Model, state: nnx.State) -> nnx.State:
-    """`state` with the dense routed-expert kernels of every MoE layer that decodes with the xla_cpu form
-    (moe_impl "xla_cpu", or "auto" on the CPU backend) as `ExpertList`s: views of the same memory, no copy
-    (kernels/moe/expert_list.py: XLA:CPU copies every expert slice of a stacked kernel before its matmul).
-    Only kernels held on CPU devices are split; the state itself when no layer qualifies."""
+def decode_state(model: Glm53Model, state: nnx.State, tokens: int = 1) -> nnx.State:
+    """`state` with the dense routed-expert kernels of every MoE layer that decodes `tokens` tokens (all streams
+    of a step together) with the xla_cpu form (moe_impl "xla_cpu", or "auto" on the CPU backend) as
+    `ExpertList`s: views of the same memory, no copy (kernels/moe/expert_list.py: XLA:CPU copies every expert
+    slice of a stacked kernel before its matmul). Only kernels held on CPU devices are split; the state itself
+    when no layer qualifies."""
     paths = set()
+    slots = tokens * model.cfg.num_experts_per_tok
     for path, m in nnx.iter_graph(model):
         if not isinstance(m, Experts):
             continue
-        if moe_api.select_implementation(m.implementation, 1, m.decode_max_slots) != "xla_cpu_decode":
+        if moe_api.select_implementation(m.implementation, slots, m.decode_max_slots) != "xla_cpu_decode":
             continue
         ws = [getattr(m, k).get_value() for k in _EXPERT_MATRICES]
         if all(isinstance(w, jax.Array) and {d.platform for d in w.devices()} == {"cpu"} for w in ws):

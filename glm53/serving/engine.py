@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 from glm53 import parallel as S
+from glm53.generate import decode_state
 from glm53.model import Cache, Glm53Model
 from glm53.serving import programs as P
 from glm53.serving import speculative as spec
@@ -116,6 +117,11 @@ class Engine:
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.detokenize = detokenize
         self.graphdef, self.state = nnx.split(model)
+        # decode steps read dense routed experts as per-expert views on CPU where the xla_cpu decode form runs
+        # (glm53.generate.decode_state: no copy of each expert's slice); a sharded model keeps its state
+        rows = 2 if self.speculative else 1  # tokens per slot in a step
+        self._dstates = {b: self.state if mesh is not None else decode_state(model, self.state, b * rows)
+                         for b in self.decode_widths}  # fmt: skip
         self._h_dtype = model.dtype
         self.stats = collections.Counter()  # steps, tokens, prefill_tokens, requests, finished, refused, ...
         self.prefix = None
@@ -213,7 +219,7 @@ class Engine:
         """The step of width b = len(active) over the first b slots: tokens [b] (plain), or rows (y0, y1,
         accepted, next draft) [b, 4] (speculative): the host transfer."""
         b = len(active)
-        a = (self.state, self.cache, self._tokens[:b], self._drafts[:b], active, verify, mask, counts, *args)
+        a = (self._dstates[b], self.cache, self._tokens[:b], self._drafts[:b], active, verify, mask, counts, *args)
         out, new = self._decodes[b](*a)
         self.cache = new if b == self.slots else self._put(self.cache, new)
         return np.asarray(out)
