@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_moe import _np_moe  # the f64 loop over (token, slot) the shared MoE tests use
 
 from configs import tiny
 from glm53 import generate
@@ -22,19 +23,6 @@ from kernels.moe.expert_list import ExpertList
 
 LIMIT = 3.0
 E, D, F = 8, 32, 16
-
-
-def _np_moe(x, ids, w, wg, wu, wd, limit):
-    y = np.zeros_like(x)
-    for t in range(ids.shape[0]):
-        for j in range(ids.shape[1]):
-            e = ids[t, j]
-            if e >= wg.shape[0]:
-                continue
-            a, b = x[t] @ wg[e], x[t] @ wu[e]
-            h = a.clip(max=limit) / (1.0 + np.exp(-a.clip(max=limit))) * b.clip(-limit, limit)
-            y[t] += w[t, j] * (h @ wd[e])
-    return y
 
 
 @pytest.fixture(scope="module")
