@@ -28,7 +28,7 @@ from glm53 import sampling
 # YNNPACK fusions off: XLA:CPU turns the decode step's multi-row dots ([b, 256] x [256, 512] on glm53-mini) into
 # YNNPACK fusions that ran slower than its own dot emitter / Eigen; a 1-row dot is a gemv either way. Measured
 # (glm53-mini, decode step alone, `experiments.bench_serve --step_costs`, 300 interleaved calls per program, p10,
-# 2 loaded cores): time with / without the fusions at 1 / 2 / 4 / 8 / 16 slots = 0.92 / 0.94 / 0.80 / 0.76 /
+# 2 loaded cores): time without / with the fusions at 1 / 2 / 4 / 8 / 16 slots = 0.92 / 0.94 / 0.80 / 0.76 /
 # 0.75. xla_cpu_prefer_vector_width=512 on top: 0.86 / 0.96 / 1.02 / 1.05 / 1.04 (noise: not taken);
 # xla_cpu_parallel_codegen_split_count=1, xla_cpu_multi_thread_eigen=false: no consistent change;
 # xla_cpu_use_thunk_runtime no longer exists. The fusions also crashed XLA:CPU on the train step
