@@ -20,6 +20,12 @@ engine's default runs the smallest width 1, 2, 4, ... covering the busy slots: g
 --step_costs times the decode step alone instead (no requests): at each --streams count as slots, under each
 set of compile options in STEP_OPTIONS, and the narrow widths of one engine of the largest count, all
 interleaved in this process (p10 and median per program: ratios hold on a loaded machine).
+
+Several processes (``--coordinator ...``, e.g. ``python -m experiments.launch --processes=2 --devices_per_process=4
+-- python -m experiments.bench_serve --config=configs/tiny.py:sharded ...``): the model on the config's mesh over
+every process's devices (`build.sharded_model`), each engine driven by process 0 while the others replay its
+program calls (glm53.serving.multihost); decode steps over all slots (no narrow widths), the prefix cache off,
+no --step_costs, no distinct-experts replay; process 0 alone prints and writes --out / --png.
 """
 
 import jax
@@ -30,6 +36,8 @@ from experiments import cli
 from glm53 import assets, build, files
 from glm53.benchmarks import serve as S
 from glm53.config import model_config_from_dict
+from glm53.parallel import distributed
+from glm53.serving import multihost
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "experiment config: its random model", lock_config=True
@@ -40,14 +48,18 @@ _SLOTS = flags.DEFINE_integer("slots", 0, "engine slots (0: as many as streams)"
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "prompt tokens per stream")
 _SHARED = flags.DEFINE_integer("shared_prefix", 48, "leading prompt tokens common to every stream")
 _MAX_NEW = flags.DEFINE_integer("max_new", 64, "tokens generated per stream")
-_MTP = flags.DEFINE_enum("mtp", "off", ["off", "on", "both"], "MTP speculative decoding (needs the MTP block)")
+_MTP = flags.DEFINE_enum(
+    "mtp", "off", ["off", "on", "both"], "MTP speculative decoding (needs the MTP block)"
+)
 _PREFIX = flags.DEFINE_enum("prefix_cache", "off", ["off", "on", "both"], "the engine's prefix cache")
 _PREFIX_MB = flags.DEFINE_integer("prefix_cache_mb", 256, "prefix cache budget when on (MiB)")
 _EXPERTS = flags.DEFINE_bool("distinct_experts", True, "replay the routing: distinct experts per decode step")
 _OUT = flags.DEFINE_string("out", None, "write the rows as JSON here")
 _PNG = flags.DEFINE_string("png", None, "plot the rows here (matplotlib)")
 _CACHE = flags.DEFINE_string("compilation_cache", "", "JAX persistent compilation cache folder ('' = off)")
-_NARROW = flags.DEFINE_enum("narrow", "on", ["off", "on", "both"], "decode steps over the busy slots' width only")
+_NARROW = flags.DEFINE_enum(
+    "narrow", "on", ["off", "on", "both"], "decode steps over the busy slots' width only"
+)
 _STEP_COSTS = flags.DEFINE_bool("step_costs", False, "time the decode step alone per slots / compile options")
 _ROUNDS = flags.DEFINE_integer("rounds", 200, "--step_costs: calls of each program (interleaved)")
 _MOE_IMPL = cli.define_moe_impl_flag()
@@ -90,28 +102,60 @@ def main(argv):
     with_mtp = True in mtp_settings
     weights, label = assets.resolve(_WEIGHTS.value, _CONFIG.value)
     kernels = {"moe": _MOE_IMPL.value}
-    if weights is None:
+    several, main_process = distributed.process_count() > 1, distributed.is_main_process()
+    say = print if main_process else (lambda *a, **k: None)
+    narrow_settings, run = _settings(_NARROW.value), None
+    if several:
+        # Several processes: the sharded model; process 0 leads every engine, the others replay (module docstring)
+        if _STEP_COSTS.value:
+            raise app.UsageError("--step_costs: one process only")
+        if _PREFIX.value != "off":
+            raise app.UsageError(
+                "--prefix_cache: must be off with several processes (not replayed across them)"
+            )
+        run = build.sharded_model(_CONFIG.value, weights=weights, with_mtp=with_mtp, kernels=kernels)
+        cfg, model = run.cfg, run.model
+        if _NARROW.value != "off":
+            say(
+                "several processes: decode steps over all slots (no narrow widths on a sharded model)",
+                flush=True,
+            )
+        narrow_settings = [False]
+    elif weights is None:
         cfg = model_config_from_dict(_CONFIG.value.model)
         model = build.random_model(cfg, seed=_CONFIG.value.seed, with_mtp=with_mtp, kernels=kernels)
     else:
         cfg, model = build.load_model(weights, with_mtp=with_mtp, kernels=kernels)
     if with_mtp and model.mtp is None:
         raise app.UsageError("--mtp: this model has no MTP block")
-    print(label or weights or f"config {cli.config_name('config')} (random weights)", flush=True)
+    say(label or weights or f"config {cli.config_name('config')} (random weights)", flush=True)
     if _STEP_COSTS.value:
         return _step_costs(model, streams)
     rows, traces = [], []
     for n in streams:
         for mtp in mtp_settings:
-            for prefix, narrow in ((p, w) for p in _settings(_PREFIX.value) for w in _settings(_NARROW.value)):
+            for prefix, narrow in ((p, w) for p in _settings(_PREFIX.value) for w in narrow_settings):
                 kw = {"speculative": True} if mtp else {}
                 if not narrow:
                     kw["decode_widths"] = (_SLOTS.value or n,)
                 if prefix:
                     kw["prefix_cache_bytes"] = _PREFIX_MB.value << 20
-                row, trace = S.run_streams(model, cfg.vocab_size, n, slots=_SLOTS.value or n,
-                                           prompt_len=_PROMPT_LEN.value, max_new=_MAX_NEW.value,
-                                           shared=_SHARED.value, engine_kwargs=kw)  # fmt: skip
+                if several:
+                    kw.update(mesh=run.mesh, rules=run.rules)
+                sizes = dict(slots=_SLOTS.value or n, prompt_len=_PROMPT_LEN.value, max_new=_MAX_NEW.value)
+                eng = S.bench_engine(model, **sizes, engine_kwargs=kw)
+                if several and not main_process:
+                    multihost.follow(eng)  # until process 0 has measured this row
+                    continue
+                if several:
+                    multihost.lead(eng)
+                try:
+                    row, trace = S.run_streams(
+                        model, cfg.vocab_size, n, **sizes, shared=_SHARED.value, engine=eng
+                    )
+                finally:
+                    if several:
+                        multihost.stop(eng)
                 row.update(mtp=mtp, prefix_cache=prefix, narrow=narrow)
                 rows.append(row)
                 if not mtp:
@@ -122,7 +166,11 @@ def main(argv):
                       f"{row['per_stream_tok_s']:7.1f} per stream; TTFT p50 {row['ttft_p50_ms']:.0f} / p99 "
                       f"{row['ttft_p99_ms']:.0f} ms; ITL p50 {row['itl_p50_ms']:.1f} / p99 {row['itl_p99_ms']:.1f} ms; "
                       f"{row['decode_steps']} steps{extra}", flush=True)  # fmt: skip
-    if _EXPERTS.value:  # after the timed runs: instrumenting the routers changes nothing they compute
+    if not main_process:
+        return
+    if _EXPERTS.value and several:
+        print("several processes: no distinct-experts replay (one process only)")
+    if _EXPERTS.value and not several:  # after the timed runs: instrumenting the routers changes nothing
         for row, trace in traces:
             row.update(S.distinct_experts(model, trace) or {})
             if "distinct_experts_per_layer_step" in row:

@@ -13,9 +13,15 @@ count in the environment, and JAX_PLATFORMS=cpu). Every line a process writes is
 
 Failure handling: when one process exits non-zero (or is killed), the others are stopped (SIGTERM to each
 process group, SIGKILL after --grace seconds) and the launcher exits with that process's status (128 + signal
-for a signal); so it does on SIGINT / SIGTERM and after --timeout seconds (status 124). No process outlives
-the launcher: on Linux each process also gets SIGKILL when the launcher itself dies (PR_SET_PDEATHSIG, e.g. a
-``kill -9`` of the launcher). Exit status 0 when every process exits 0.
+for a signal); so it does after --timeout seconds (status 124). No process outlives the launcher: on Linux each
+process also gets SIGKILL when the launcher itself dies (PR_SET_PDEATHSIG, e.g. a ``kill -9`` of the launcher).
+Exit status 0 when every process exits 0.
+
+SIGINT / SIGTERM to the launcher: the signal goes to process 0 alone (a server under several processes stops
+serving, then releases the others: `experiments.serve`); process 0 still running --grace seconds later, or
+another process --grace seconds after process 0 exited, is stopped as above. The status is 0 when every process
+exited 0, else that of the first process that did not (e.g. 143 for one stopped by SIGTERM). A second signal
+stops every process at once.
 """
 
 from __future__ import annotations
@@ -40,7 +46,11 @@ _DEVICES = flags.DEFINE_integer(
     lower_bound=1,
 )
 _PORT = flags.DEFINE_integer("port", 0, "coordinator port on 127.0.0.1 (0: a free one)", lower_bound=0)
-_GRACE = flags.DEFINE_float("grace", 5.0, "seconds between SIGTERM and SIGKILL when stopping processes")
+_GRACE = flags.DEFINE_float(
+    "grace", 15.0,
+    "seconds between SIGTERM and SIGKILL when stopping processes; after SIGINT / SIGTERM, the wait for process 0, "
+    "then for the others",
+)  # fmt: skip
 _TIMEOUT = flags.DEFINE_float("timeout", 0.0, "stop everything after this many seconds (0: no limit)")
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -119,8 +129,24 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def _pass_signal(procs: list[subprocess.Popen], signals: list[int], grace: float, poll: float) -> None:
+    """The first of `signals` (a growing list) to process 0; waits up to `grace` seconds for it to exit and up
+    to `grace` more for the others (a second signal ends the wait); `stop` then ends what is left."""
+    sig = signals[0]
+    print(f"launch: {signal.Signals(sig).name}: passed to process 0 (up to {grace:g} s for it to exit, then "
+          f"{grace:g} s for the others)", file=sys.stderr, flush=True)  # fmt: skip
+    _signal_group(procs[0], sig)
+    deadline, others = time.monotonic() + grace, None  # for process 0; for the others once it exited
+    while len(signals) == 1 and any(p.poll() is None for p in procs):
+        if procs[0].poll() is not None and others is None:
+            others = time.monotonic() + grace
+        if time.monotonic() > (deadline if others is None else others):
+            break
+        time.sleep(poll)
+
+
 def launch(command: list[str], processes: int, devices_per_process: int | None = None, *, port: int = 0,
-           grace: float = 5.0, timeout: float = 0.0, poll: float = 0.05) -> int:  # fmt: skip
+           grace: float = 15.0, timeout: float = 0.0, poll: float = 0.05) -> int:  # fmt: skip
     """Runs `command` as `processes` JAX processes (module docstring); returns the exit status."""
     coordinator = f"127.0.0.1:{port or free_port()}"
     env = process_env(dict(os.environ), devices_per_process)
@@ -128,9 +154,10 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
     pumps: list[threading.Thread] = []
     stopping = threading.Event()
     status = {"code": None}
+    signals: list[int] = []
 
     def on_signal(signum, _frame):
-        status["code"] = 128 + signum
+        signals.append(signum)
         stopping.set()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -167,8 +194,13 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
                 status["code"] = TIMEOUT_EXIT
                 break
             time.sleep(poll)
+        if signals and procs:
+            _pass_signal(procs, signals, grace, poll)
     finally:
         stop(procs, grace)
+        if signals:  # every process's status is known now
+            codes = [p.returncode for p in procs]
+            status["code"] = next((exit_status(c) for c in codes if c != 0), 0 if codes else 128 + signals[0])
         for t in pumps:
             t.join(timeout=5.0)
         for s, h in old.items():

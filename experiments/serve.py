@@ -8,12 +8,20 @@ Endpoints: POST /v1/chat/completions, /v1/completions, /v1/messages, /v1/message
 /health (503 until every program is compiled), /metrics (Prometheus). Prints ``listening on http://HOST:PORT``
 once the socket is bound. Compiled programs persist in JAX's compilation cache (--compilation_cache, "" = off),
 so a second start compiles nothing. The engine's prefill chunk sizes are --buckets (must include 1).
+SIGINT / SIGTERM stop the server cleanly (exit status 0: the engine thread finishes its step first).
+Several processes (``--coordinator ...``, e.g. under ``python -m experiments.launch``): the model on the config's
+mesh over every process's devices, HTTP and the scheduler on process 0, whose program calls the others replay
+(glm53.serving.multihost; the prefix cache must be off); on SIGINT / SIGTERM process 0 releases the others,
+and every process exits 0.
 Tool calls (OpenAI `tools` / `tool_choice`, Anthropic `tools` / `tool_use` / `tool_result`) use the GLM tool-call
 format of glm53.serving.tools; a call forced by name is answered with that call, arguments always a JSON object.
 """
 
+import contextlib
 import os
+import signal
 import socket
+import threading
 
 import jax
 import uvicorn
@@ -56,12 +64,54 @@ _CACHE = flags.DEFINE_string(
 _PREFIX_MB = flags.DEFINE_integer("prefix_cache_mb", 256, "prefix cache budget in MiB (0: off)")
 _PREFIX_BLOCK = flags.DEFINE_integer("prefix_block", 16, "prefix cache block: tokens per snapshot boundary")
 _SPEC = flags.DEFINE_bool(
-    "speculative", False, "MTP speculative decoding in the batched step (needs the MTP block; greedy requests)"
+    "speculative",
+    False,
+    "MTP speculative decoding in the batched step (needs the MTP block; greedy requests)",
 )
 _NARROW = flags.DEFINE_bool(
-    "narrow", True, "decode steps compiled for 1, 2, 4, ... slots too: idle slots cost nothing (more programs to compile)"
+    "narrow",
+    True,
+    "decode steps compiled for 1, 2, 4, ... slots too: idle slots cost nothing (more programs to compile)",
 )
+_HEARTBEAT = flags.DEFINE_float(
+    "heartbeat", multihost.HEARTBEAT_S,
+    "several processes: an idle process 0 sends the others a no-op at least this often, in seconds (their "
+    "collectives time out when idle for long; 0: never)",
+)  # fmt: skip
 _MOE_IMPL = cli.define_moe_impl_flag()
+ENGINE_THREAD = "glm53-engine"  # the engine's thread in glm53.serving.app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that SIGINT / SIGTERM only end `run` (uvicorn raises them again afterwards, which
+    would end this process before the engine thread and the other processes are stopped). Signals from its
+    creation on count (those before `run` stop it once it has started)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._early: list[int] = []
+        self._old = {s: signal.signal(s, lambda sig, _: self._early.append(sig)) for s in self.SIGNALS}
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        for s in self.SIGNALS:
+            signal.signal(s, self.handle_exit)
+        for s in self._early:
+            self.handle_exit(s, None)
+        try:
+            yield
+        finally:
+            for s, h in self._old.items():
+                signal.signal(s, h)
+
+
+def _join_engine_thread() -> None:
+    """Waits for the engine thread, stopped by the app's shutdown (it may be compiling: it stops after that)."""
+    for t in threading.enumerate():
+        if t.name == ENGINE_THREAD:
+            t.join()
 
 
 def main(argv):
@@ -74,6 +124,8 @@ def main(argv):
     ):
         if v < lo:
             raise app.UsageError(f"--{name}={v}: must be >= {lo}")
+    if _HEARTBEAT.value < 0:
+        raise app.UsageError(f"--heartbeat={_HEARTBEAT.value}: must be >= 0 (0: no heartbeat)")
     if _PREFIX_MB.value < 0 or _PREFIX_BLOCK.value < 1:
         raise app.UsageError("--prefix_cache_mb must be >= 0 and --prefix_block >= 1")
     if not 0 <= _PORT.value < 65536:
@@ -94,7 +146,9 @@ def main(argv):
         # Several processes (--coordinator ...): the model on the config's mesh over all processes' devices,
         # one engine driven by process 0 (glm53.serving.multihost); the others replay its program calls.
         if _PREFIX_MB.value:
-            raise app.UsageError("--prefix_cache_mb: must be 0 with several processes (not replayed across them)")
+            raise app.UsageError(
+                "--prefix_cache_mb: must be 0 with several processes (not replayed across them)"
+            )
         run = build.sharded_model(_CONFIG.value, weights=weights, dtype=build.parse_dtype(_DTYPE.value),
                                   with_mtp=_SPEC.value, kernels={"moe": _MOE_IMPL.value})  # fmt: skip
         cfg, model = run.cfg, run.model
@@ -123,10 +177,10 @@ def main(argv):
                     detokenize=detokenizer(tok, keep=(THINK_OPEN, THINK_CLOSE)), **engine_kw)  # fmt: skip
     if several and not distributed.is_main_process():
         n = multihost.follow(engine)  # until process 0 stops serving
-        print(f"replayed {n} program calls of process 0", flush=True)
+        print(f"replayed {n.calls} program calls of process 0 ({n.beats} idle heartbeats)", flush=True)
         return
     if several:
-        multihost.lead(engine)
+        multihost.lead(engine, heartbeat=_HEARTBEAT.value)
     print(f"model {name!r}: {_SLOTS.value} slots x {_MAX_LEN.value} positions, prefill buckets {buckets}, prefix "
           f"cache {_PREFIX_MB.value} MiB (blocks of {_PREFIX_BLOCK.value}), MTP speculative "
           f"{'on' if _SPEC.value else 'off'}", flush=True)  # fmt: skip
@@ -135,13 +189,15 @@ def main(argv):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((_HOST.value, _PORT.value))
     host, port = sock.getsockname()[:2]
+    server = _Server(uvicorn.Config(application, log_level="warning", timeout_graceful_shutdown=2))
     print(f"listening on http://{host}:{port}", flush=True)
-    config = uvicorn.Config(application, log_level="warning", timeout_graceful_shutdown=2)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
+        _join_engine_thread()
         if several:
-            multihost.stop(engine)
+            multihost.stop(engine)  # the other processes return from multihost.follow
+    print("server stopped", flush=True)
 
 
 if __name__ == "__main__":

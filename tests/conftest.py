@@ -32,6 +32,7 @@ if ROOT not in sys.path:
 # update when a file grows.
 LONGEST_FIRST = (
     "test_multihost.py",  # 2-process launches (score, convert, worker) + their 1-process references
+    "test_multihost_serve.py",  # experiments.serve under the launcher + its 1-process reference
     "test_model.py",
     "test_generation.py",
     "test_moe_quant.py",

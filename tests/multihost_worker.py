@@ -92,7 +92,11 @@ def serve_tokens(run: build.ShardedModel) -> list[list[int]] | None:
         return None
     if jax.process_count() > 1:
         multihost.lead(engine)
+    engine.warmup()
+    programs = engine.compiled_programs()
     tokens = generate(engine, serve_requests())
+    # the requests compile nothing more (prefill / insert take back the layouts they return on a mesh)
+    assert engine.compiled_programs() == programs, (programs, engine.compiled_programs())
     if jax.process_count() > 1:
         multihost.stop(engine)
     return tokens

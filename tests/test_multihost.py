@@ -425,3 +425,53 @@ def test_one_process_is_unchanged(monkeypatch):
     mesh = jax.make_mesh((1, 8), ("data", "model"))
     s = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "model"))
     np.testing.assert_array_equal(distributed.to_host(distributed.put(x, s)), x)
+
+
+SIGNAL_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    flag = dict(a.split("=", 1) for a in sys.argv if a.startswith("--") and "=" in a)
+    i, d, release = int(flag["--process_id"]), sys.argv[1], sys.argv[2] == "release"
+
+    def on_signal(signum, frame):  # process 0 stands for a server: it releases the others and exits 0
+        with open(os.path.join(d, f"got{i}"), "w") as f:
+            f.write(str(signum))
+        if i == 0 and release:
+            open(os.path.join(d, "released"), "w").close()
+        sys.exit(0 if i == 0 else 5)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    with open(os.path.join(d, f".pid{i}"), "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(os.path.join(d, f".pid{i}"), os.path.join(d, f"pid{i}"))
+    while not (i > 0 and os.path.exists(os.path.join(d, "released"))):
+        time.sleep(0.02)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("how,status", [("release", 0), ("stuck", 5)])
+def test_launcher_passes_a_signal_to_process_0(tmp_path, sig, how, status):
+    """SIGTERM / SIGINT to the launcher go to process 0 alone; the launcher exits 0 when every process then exits
+    0 (process 0 released the others), else with the status of the one stopped after --grace seconds."""
+    script = tmp_path / "on_signal.py"  # not signal.py: it would shadow the module
+    script.write_text(SIGNAL_SCRIPT)
+    cmd = [sys.executable, "-m", "experiments.launch", "--processes=2", "--devices_per_process=1", "--grace=1", "--",
+           sys.executable, str(script), str(tmp_path), how]  # fmt: skip
+    launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        started = [tmp_path / f"pid{i}" for i in range(2)]
+        _wait_for(lambda: all(p.exists() for p in started), "the processes did not start")
+        launcher.send_signal(sig)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == status, err
+    assert f"launch: {sig.name}: passed to process 0" in err
+    assert (tmp_path / "got0").read_text() == str(int(sig))
+    # released: process 1 exited by itself; stuck: the launcher stopped it with SIGTERM after the grace
+    got1 = tmp_path / "got1"
+    assert (not got1.exists()) if how == "release" else got1.read_text() == str(int(signal.SIGTERM))
+    for i in range(2):
+        assert not _alive(int((tmp_path / f"pid{i}").read_text()))

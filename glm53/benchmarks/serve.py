@@ -44,11 +44,20 @@ def prompts(n: int, prompt_len: int, shared: int, vocab: int) -> list[list[int]]
     return [head + [(7 * i + j + 1) % vocab for j in range(prompt_len - shared)] for i in range(n)]
 
 
+def bench_engine(
+    model, *, slots: int, prompt_len: int, max_new: int, engine_kwargs: dict | None = None
+) -> E.Engine:
+    """The engine `run_streams` measures (several processes: every process builds it, `glm53.serving.multihost`)."""
+    return E.Engine(model, slots=slots, max_len=prompt_len + max_new + 2, buckets=(1, 16), eos_ids=(),
+                    **(engine_kwargs or {}))  # fmt: skip
+
+
 def run_streams(model, vocab: int, n: int, *, slots: int, prompt_len: int, max_new: int, shared: int = 0,
-                engine_kwargs: dict | None = None) -> tuple[dict, dict]:  # fmt: skip
-    """(row, trace): the row of measurements; trace = {request id: (prompt, generated, [step of each token])}."""
-    eng = E.Engine(model, slots=slots, max_len=prompt_len + max_new + 2, buckets=(1, 16), eos_ids=(),
-                   **(engine_kwargs or {}))  # fmt: skip
+                engine_kwargs: dict | None = None, engine: E.Engine | None = None) -> tuple[dict, dict]:  # fmt: skip
+    """(row, trace): the row of measurements; trace = {request id: (prompt, generated, [step of each token])}.
+    engine: a `bench_engine` of the same arguments (e.g. one led over several processes); None: a new one."""
+    eng = engine if engine is not None else bench_engine(model, slots=slots, prompt_len=prompt_len,
+                                                         max_new=max_new, engine_kwargs=engine_kwargs)  # fmt: skip
     eng.warmup()
     E.generate(eng, [E.Request([1] * 3, max_tokens=2)])  # one untimed request (shares nothing with the prompts)
     stats0 = dict(eng.stats)

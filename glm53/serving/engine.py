@@ -131,6 +131,7 @@ class Engine:
                                       with_mtp=self.speculative, jit=jit, stats=self.stats)  # fmt: skip
         self._place = (lambda c: c) if mesh is None else (  # caches in the rules' shardings (a sharded model)
             lambda c: jax.lax.with_sharding_constraint(c, S.cache_shardings(c, mesh, rules)))  # fmt: skip
+        self._rep = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self._build_programs(compiler_options)
         self.cache = self._init(self.state, slots)
         self._waiting: queue.Queue = queue.Queue(maxsize=max_queue)
@@ -156,6 +157,11 @@ class Engine:
             return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counts)
 
         decode, prefill, insert = (spec if self.speculative else P).build(gd, keys)
+        if self._rep is not None:  # sharded: outputs placed as the inputs come (no second compile per program)
+            decode, prefill, insert = (functools.partial(P.placed, f, self._place, self._rep)
+                                       for f in (decode, prefill, insert))  # fmt: skip
+        h0 = jnp.zeros((1, 1, self.cfg.hidden_size), self._h_dtype)
+        self._h0 = jit(lambda: h0, out_shardings=self._rep)  # a fresh staging's h, where prefill's h lives
         self._prefill, self._insert = jit(prefill, donate_argnums=(1,)), jit(insert, donate_argnums=(1,))
         self._decodes = {b: jit(P.narrow(decode, b)) for b in self.decode_widths[:-1]}  # then `put`
         self._decodes[self.slots] = jit(decode, donate_argnums=(1,))
@@ -202,7 +208,7 @@ class Engine:
         return dt
 
     def _new_staging(self) -> Cache:
-        self._h = jnp.zeros((1, 1, self.cfg.hidden_size), self._h_dtype)
+        self._h = self._h0()
         return self._init(self.state, 1)
 
     def _run_prefill(self, staging: Cache, toks):

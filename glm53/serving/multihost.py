@@ -15,19 +15,29 @@ value. Outputs come to the host as usual (a replicated output: no gather).
 Both processes must build the same engine (same model placement, options) before `lead` / `follow`, and the
 leader calls `stop(engine)` at the end (the followers return). Not replayed: the prefix cache (its programs are
 chosen by host state): `prefix_cache_bytes` must be 0.
+
+Threads: the leader's records are sent under one lock (a program call holds it until the program is dispatched),
+so the engine thread, the heartbeat and `stop` never interleave; a program call after `stop` is a RuntimeError.
+Idle: a follower waits for the next record inside a collective, and XLA's CPU collectives (gloo) fail after
+``xla_cpu_collective_timeout_seconds`` (30 minutes by default) without data. So while no program runs, the leader
+sends a no-op record at least every `heartbeat` seconds (`lead`'s argument; a daemon thread).
 """
 
 from __future__ import annotations
 
 import pickle
+import threading
+import time
 import weakref
+from typing import NamedTuple
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
 _JIT = type(jax.jit(lambda x: x))
-_STOP, _CALL = "stop", "call"
+_STOP, _CALL, _BEAT = "stop", "call", "beat"
+HEARTBEAT_S = 60.0  # the idle leader's no-op record, far below the CPU collectives' 30-minute timeout
 
 
 def _programs(engine) -> dict[tuple, object]:
@@ -53,22 +63,56 @@ def _broadcast(record) -> object:
     leader = jax.process_index() == 0
     data = np.frombuffer(pickle.dumps(record), np.uint8) if leader else np.zeros(0, np.uint8)
     n = int(multihost_utils.broadcast_one_to_all(np.asarray([data.size], np.int64))[0])
-    buf = np.zeros(n, np.uint8)
+    buf = np.zeros(max(1024, 1 << (n - 1).bit_length()), np.uint8)  # a power of two: few programs to compile
     buf[: data.size] = data
-    return pickle.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes())
+    return pickle.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf))[:n].tobytes())
 
 
 class _Leader:
-    def __init__(self, engine):
+    def __init__(self, engine, heartbeat: float):
         if getattr(engine, "prefix", None):
             raise ValueError(
                 "several processes: the prefix cache is not replayed (prefix_cache_bytes must be 0)"
             )
+        if heartbeat < 0:
+            raise ValueError(f"heartbeat={heartbeat}: seconds >= 0 (0: no heartbeat)")
         self.next = 0
         self.handles: dict[int, tuple[int, weakref.ref]] = {}  # id(array) -> (handle, weak reference)
         self.dropped: list[int] = []
         for x in _held_arrays(engine):
             self._register(x)
+        self.lock = threading.RLock()  # one record (and its program's dispatch) at a time
+        self.stopped = threading.Event()
+        self.last = time.monotonic()  # when the last record went out
+        self.beats = None
+        if heartbeat:
+            self.beats = threading.Thread(
+                target=self._beat, args=(heartbeat,), name="multihost-heartbeat", daemon=True
+            )
+            self.beats.start()
+
+    def _send(self, record) -> None:
+        """Broadcasts `record` (hold the lock)."""
+        _broadcast(record)
+        self.last = time.monotonic()
+
+    def _beat(self, every: float) -> None:
+        """A no-op record whenever none went out for half of `every` seconds (at most `every` without one)."""
+        while not self.stopped.wait(every / 2):
+            with self.lock:
+                if self.stopped.is_set():
+                    return
+                if time.monotonic() - self.last >= every / 2:
+                    self._send((_BEAT,))
+
+    def stop(self) -> None:
+        with self.lock:
+            if self.stopped.is_set():
+                return
+            self.stopped.set()
+            self._send((_STOP,))
+        if self.beats is not None:
+            self.beats.join()
 
     def _register(self, x: jax.Array) -> None:
         h, self.next = self.next, self.next + 1
@@ -92,9 +136,14 @@ class _Leader:
 
     def call(self, key: tuple, fn, args, kwargs):
         leaves, tree = jax.tree.flatten((args, kwargs))
-        dropped, self.dropped = self.dropped, []
-        _broadcast((_CALL, key, tree, [self._encode(x) for x in leaves], dropped))
-        out = fn(*args, **kwargs)
+        with self.lock:
+            if self.stopped.is_set():
+                raise RuntimeError(
+                    f"{'.'.join(map(str, key))}: called after multihost.stop (the followers are gone)"
+                )
+            dropped, self.dropped = self.dropped, []
+            self._send((_CALL, key, tree, [self._encode(x) for x in leaves], dropped))
+            out = fn(*args, **kwargs)
         for x in jax.tree.leaves(out):
             if isinstance(x, jax.Array):
                 self._register(x)
@@ -114,9 +163,10 @@ class _Proxy:
         return self.fn._cache_size()
 
 
-def lead(engine) -> None:
-    """Process 0: every jitted program of `engine` is announced to the other processes before it runs."""
-    leader = _Leader(engine)
+def lead(engine, heartbeat: float = HEARTBEAT_S) -> None:
+    """Process 0: every jitted program of `engine` is announced to the other processes before it runs; with no
+    record for `heartbeat` seconds (0: never), a no-op one goes out (module docstring: the collectives' timeout)."""
+    leader = _Leader(engine, heartbeat)
 
     for key, fn in _programs(engine).items():
         if len(key) == 1:
@@ -127,19 +177,31 @@ def lead(engine) -> None:
 
 
 def stop(engine) -> None:
-    """Process 0: the followers return from `follow` (call once, at the end)."""
-    _broadcast((_STOP,))
+    """Process 0: the followers return from `follow` (at the end; once the engine's program calls are over, a
+    call in flight finishes first; a second call does nothing)."""
+    leader = getattr(engine, "_multihost_leader", None)
+    if leader is None:
+        raise ValueError("multihost.stop: the engine is not led (call multihost.lead(engine) first)")
+    leader.stop()
 
 
-def follow(engine) -> int:
-    """Every process but 0: replays the leader's program calls on `engine` until `stop`; returns their count."""
+class Followed(NamedTuple):
+    calls: int  # program calls replayed
+    beats: int  # the idle leader's no-op records
+
+
+def follow(engine) -> Followed:
+    """Every process but 0: replays the leader's program calls on `engine` until `stop`; returns their counts."""
     programs = _programs(engine)
     held = _held_arrays(engine)
-    table, nxt, n = dict(enumerate(held)), len(held), 0
+    table, nxt, n, beats = dict(enumerate(held)), len(held), 0, 0
     while True:
         record = _broadcast(None)
         if record[0] == _STOP:
-            return n
+            return Followed(n, beats)
+        if record[0] == _BEAT:
+            beats += 1
+            continue
         _, key, tree, leaves, dropped = record
         for h in dropped:
             table.pop(h, None)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm53 import sampling
+from glm53.model import Cache
 
 # XLA:CPU options of every engine program on CPU (`cpu_options`; a caller's compiler_options are added on top).
 # YNNPACK fusions off: XLA:CPU turns the decode step's multi-row dots ([b, 256] x [256, 512] on glm53-mini) into
@@ -106,3 +107,11 @@ def build(graphdef, keys: Callable):
         return jnp.concatenate([tok, tok]), cache  # (first token, its draft: none here)
 
     return decode, prefill, insert
+
+
+def placed(fn: Callable, place: Callable, replicated, *args):
+    """`fn(*args)` (decode, prefill or insert: a tuple) with every Cache in the cache's shardings (`place`) and
+    every other output replicated: a sharded engine's programs then take back the layouts they return (one
+    compile per program and shape, not one more per input layout)."""
+    return tuple(place(x) if isinstance(x, Cache) else jax.lax.with_sharding_constraint(x, replicated)
+                 for x in fn(*args))  # fmt: skip
