@@ -217,6 +217,7 @@ def test_xla_cpu_dequantizes_each_routed_expert_once(mix_weights, monkeypatch, f
         return orig(q, chunk_ids, dtype)
 
     monkeypatch.setattr(xla_cpu, "dequantize_chunk", counting)
+    monkeypatch.setenv("GLM53_MOE_FFI", "0")  # the XLA path (the C++ kernel dequantizes nothing)
     fn = getattr(xla_cpu, f"moe_experts_{form}")
     y = jax.jit(lambda *a: fn(*a, LIMIT, chunk_experts=4))(x, ids, w, ws["gate"], ws["up"], ws["down"])
     jax.block_until_ready(y)
@@ -480,6 +481,7 @@ def test_xla_cpu_decode_dequantizes_one_routed_expert_at_a_time(mix_weights, mon
         return orig(q, chunk_ids, dtype)
 
     monkeypatch.setattr(xla_cpu, "dequantize_chunk", counting)
+    monkeypatch.setenv("GLM53_MOE_FFI", "0")  # the XLA path (the C++ kernel dequantizes nothing)
     args = (x, ids, w, ws["gate"], ws["up"], ws["down"])
     y = jax.block_until_ready(jax.jit(lambda *a: xla_cpu.moe_experts_decode(*a, LIMIT))(*args))
     assert xla_cpu.DEFAULT_DECODE_CHUNK_EXPERTS == 1

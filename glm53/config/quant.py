@@ -12,7 +12,7 @@ from glm53.quant.mixes import LAYOUTS, MATRICES, ExpertMix, parse_mix
 # Implementations of kernels.moe.api.moe_experts (tests check this equals the api's table).
 MOE_IMPLEMENTATIONS = (
     "auto", "reference", "dense_einsum", "blocked", "xla_quant", "xla_quant_decode", "xla_quant_prefill",
-    "xla_cpu", "xla_cpu_decode", "xla_cpu_prefill",
+    "xla_cpu", "xla_cpu_decode", "xla_cpu_prefill", "xla_cpu_ffi_decode", "xla_cpu_xla_decode",
     "pallas_tpu", "pallas_tpu_decode", "pallas_tpu_prefill", "pallas_gpu", "pallas_gpu_decode", "pallas_gpu_prefill",
 )  # fmt: skip
 

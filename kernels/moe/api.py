@@ -14,7 +14,9 @@ of those kernel shapes (any mix). Implementations:
   xla_cpu             plain XLA shaped for XLA:CPU (kernels.moe.xla_cpu): one distinct expert at a time, dense
                       kernels sliced in place, quantized experts dequantized a chunk at a time outside loops;
                       prefill computes only the real expert group sizes. xla_cpu_decode / xla_cpu_prefill
-                      force one form.
+                      force one form. The decode form runs QuantizedExperts through a C++ kernel
+                      (kernels.moe.cpu_ffi) when it builds and takes the formats; xla_cpu_ffi_decode forces
+                      that kernel, xla_cpu_xla_decode the plain-XLA decode.
   pallas_tpu          Pallas TPU kernels on QuantizedExperts in the formats they decode: decode (grid over
                       distinct experts, kernels.moe.pallas_tpu_decode) or prefill (ragged grouped GEMM,
                       kernels.moe.pallas_tpu_prefill); pallas_tpu_decode / pallas_tpu_prefill force one. Lowered
@@ -38,6 +40,8 @@ only "auto" falls back to "reference" then, logging the reason once (`kernels.di
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +135,8 @@ _IMPLEMENTATIONS = {
     "xla_quant_prefill": xla_quant.moe_experts_prefill,
     "xla_cpu_decode": xla_cpu.moe_experts_decode,
     "xla_cpu_prefill": xla_cpu.moe_experts_prefill,
+    "xla_cpu_ffi_decode": functools.partial(xla_cpu.moe_experts_decode, ffi=True),
+    "xla_cpu_xla_decode": functools.partial(xla_cpu.moe_experts_decode, ffi=False),
     "pallas_tpu_decode": _pallas_tpu("decode"),
     "pallas_tpu_prefill": _pallas_tpu("prefill"),
     "pallas_gpu_decode": _pallas_gpu("decode"),

@@ -28,12 +28,14 @@ accumulation at HIGHEST precision, the SwiGLU output cast to x's dtype, routing 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from glm53.quant.qweight import QuantizedExperts
-from kernels.moe import expert_list, routing
+from kernels.moe import cpu_ffi, expert_list, routing
 from kernels.moe.expert_list import ExpertList
 from kernels.moe.reference import clamped_swiglu
 
@@ -129,15 +131,30 @@ def moe_experts_decode(
     swiglu_limit: float,
     *,
     chunk_experts: int = DEFAULT_DECODE_CHUNK_EXPERTS,
+    ffi: bool | None = None,
 ) -> jax.Array:
     """`moe_experts` for few routed slots: each distinct routed expert read (dequantized) once, all T tokens
     through it, outputs combined with the routing weights. Quantized experts are dequantized `chunk_experts`
     at a time (default one: see DEFAULT_DECODE_CHUNK_EXPERTS), each chunk skipped when past the U distinct
-    experts."""
+    experts.
+
+    ffi: None (default): when gate / up / down are all QuantizedExperts the C++ kernel decodes
+    (`kernels.moe.cpu_ffi`, `_decode_ffi`) if it is available and takes their formats, else the XLA path runs;
+    True: the kernel or NotImplementedError; False: the XLA path."""
     t, k = topk_ids_tk.shape
     e, d = w_gate.shape[0], x_td.shape[1]
     if t * k == 0:
         return jnp.zeros_like(x_td)
+    if ffi is not False:
+        reason = _ffi_unsupported((w_gate, w_up, w_down))
+        if reason is None:
+            args = (x_td, topk_ids_tk, topk_w_tk, w_gate, w_up, w_down, swiglu_limit)
+            xla = functools.partial(moe_experts_decode, chunk_experts=chunk_experts, ffi=False)
+            # a fresh partial per trace: a traced branch is cached by function, and the threads may change
+            ffi_fn = functools.partial(_decode_ffi, threads=cpu_ffi.default_threads())
+            return lax.platform_dependent(*args, cpu=ffi_fn, default=xla)
+        if ffi:
+            raise NotImplementedError(f"the CPU quantized-expert kernel cannot run: {reason}")
     uniq, n_u = routing.distinct_experts(topk_ids_tk, e)
     ids_tk = routing.clean_ids(topk_ids_tk, e).reshape(t, k)
     w_tk = topk_w_tk.astype(jnp.float32)
@@ -153,6 +170,43 @@ def moe_experts_decode(
     else:
         ws = tuple(w.stacked() if isinstance(w, ExpertList) else w for w in ws)
         y = _for_each_expert(uniq, n_u, ws, x_td.dtype, chunk_experts, process, y0)
+    return y.astype(x_td.dtype)
+
+
+def _ffi_unsupported(ws) -> str | None:
+    """None when the C++ kernel takes gate / up / down `ws`, else why not."""
+    if not all(isinstance(w, QuantizedExperts) for w in ws):
+        return f"it needs QuantizedExperts for gate/up/down, got {[type(w).__name__ for w in ws]}"
+    for w in ws:
+        reason = cpu_ffi.unsupported_reason(w.planes)
+        if reason is not None:
+            return reason
+    if not cpu_ffi.available():
+        return "disabled" if not cpu_ffi.enabled() else "the kernel did not build (see the warning)"
+    return None
+
+
+def _decode_ffi(x_td, topk_ids_tk, topk_w_tk, w_gate, w_up, w_down, swiglu_limit, *, threads: int):
+    """The decode form on the C++ kernel: one call per matrix over the distinct routed experts (ids = E for
+    padding give zeros), x cast to f32, the SwiGLU output cast to x's dtype as the reference does."""
+    t, k = topk_ids_tk.shape
+    e = w_gate.shape[0]
+    uniq, _ = routing.distinct_experts(topk_ids_tk, e)  # [n], padded with E
+    ids_tk = routing.clean_ids(topk_ids_tk, e).reshape(t, k)
+    comb_tn = jnp.sum(
+        jnp.where(
+            (ids_tk[:, :, None] == uniq[None, None, :]) & (uniq < e)[None, None, :],
+            topk_w_tk.astype(jnp.float32)[:, :, None],
+            0.0,
+        ),
+        axis=1,
+    )
+    x = x_td.astype(jnp.float32)[None]  # [1, T, D]
+    g = cpu_ffi.qmatvec(x, uniq, w_gate.planes, threads)  # [n, T, F]
+    u = cpu_ffi.qmatvec(x, uniq, w_up.planes, threads)
+    h = clamped_swiglu(g, u, swiglu_limit).astype(x_td.dtype).astype(jnp.float32)
+    o = cpu_ffi.qmatvec(h, uniq, w_down.planes, threads)  # [n, T, D]
+    y = jnp.einsum("tn,ntd->td", comb_tn, o, precision=_HIGHEST)
     return y.astype(x_td.dtype)
 
 
