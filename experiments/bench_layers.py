@@ -26,8 +26,9 @@ from glm53.config import model_config_from_dict
 from glm53.parallel import distributed
 from glm53.quant.mixes import LAYOUTS
 
+DEFAULT_CONFIG = "configs/tiny.py:small"
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/tiny.py:small", "experiment config: its random model (f32)", lock_config=True
+    "config", DEFAULT_CONFIG, "experiment config: its random model (f32)", lock_config=True
 )
 _GGUF = flags.DEFINE_string(
     "gguf", None, "a GGUF file instead (e.g. bench_peer --files=DIR): glm53's model of it"
@@ -74,7 +75,7 @@ def main(argv):
     else:
         cfg = model_config_from_dict(_CONFIG.value.model)
         model = build.random_model(cfg, seed=_CONFIG.value.seed, kernels={"moe": "auto"})
-        what = f"config {cli.config_name('config')} (random f32 weights)"
+        what = f"config {cli.config_name('config') or DEFAULT_CONFIG} (random f32 weights)"
     result = dict(machine=harness.machine(), model=what, phases={})
     print(f"{what}; {harness.describe(result['machine'])}", flush=True)
     rng = np.random.default_rng(_SEED.value)
