@@ -60,6 +60,9 @@ _CACHE = flags.DEFINE_string("compilation_cache", "", "JAX persistent compilatio
 _NARROW = flags.DEFINE_enum(
     "narrow", "on", ["off", "on", "both"], "decode steps over the busy slots' width only"
 )
+_PREFILL_BATCH = flags.DEFINE_integer(
+    "prefill_batch", 0, "the most waiting requests prefilled together (0: the engine's default, min(slots, 8))"
+)
 _STEP_COSTS = flags.DEFINE_bool("step_costs", False, "time the decode step alone per slots / compile options")
 _ROUNDS = flags.DEFINE_integer("rounds", 200, "--step_costs: calls of each program (interleaved)")
 _MOE_IMPL = cli.define_moe_impl_flag()
@@ -93,6 +96,8 @@ def main(argv):
             raise app.UsageError(f"--{name}: must be >= 1")
     if not 0 <= _SHARED.value < _PROMPT_LEN.value:
         raise app.UsageError(f"--shared_prefix={_SHARED.value}: must be in [0, --prompt_len)")
+    if _PREFILL_BATCH.value < 0:
+        raise app.UsageError(f"--prefill_batch={_PREFILL_BATCH.value}: must be >= 0")
     if _SLOTS.value and _SLOTS.value < max(streams):
         raise app.UsageError(f"--slots={_SLOTS.value}: fewer than the {max(streams)} streams")
     if _CACHE.value:
@@ -136,6 +141,8 @@ def main(argv):
         for mtp in mtp_settings:
             for prefix, narrow in ((p, w) for p in _settings(_PREFIX.value) for w in narrow_settings):
                 kw = {"speculative": True} if mtp else {}
+                if _PREFILL_BATCH.value:
+                    kw["prefill_batch"] = min(_PREFILL_BATCH.value, _SLOTS.value or n)
                 if not narrow:
                     kw["decode_widths"] = (_SLOTS.value or n,)
                 if prefix:

@@ -73,6 +73,14 @@ _NARROW = flags.DEFINE_bool(
     True,
     "decode steps compiled for 1, 2, 4, ... slots too: idle slots cost nothing (more programs to compile)",
 )
+_PREFILL_BATCH = flags.DEFINE_integer(
+    "prefill_batch", 0,
+    "the most waiting requests prefilled together, one program per chunk (0: min(slots, 8); several processes: "
+    "1; 1: one at a time): more programs to compile at start-up",
+)  # fmt: skip
+_PREFILL_BATCH_CHUNK = flags.DEFINE_integer(
+    "prefill_batch_chunk", 64, "batched prefill only for prompts whose chunks are all at most this long"
+)
 _HEARTBEAT = flags.DEFINE_float(
     "heartbeat", multihost.HEARTBEAT_S,
     "several processes: an idle process 0 sends the others a no-op at least this often, in seconds (their "
@@ -121,9 +129,12 @@ def main(argv):
         ("slots", _SLOTS.value, 1),
         ("max_len", _MAX_LEN.value, 2),
         ("max_queue", _QUEUE.value, 1),
+        ("prefill_batch_chunk", _PREFILL_BATCH_CHUNK.value, 1),
     ):
         if v < lo:
             raise app.UsageError(f"--{name}={v}: must be >= {lo}")
+    if not 0 <= _PREFILL_BATCH.value <= _SLOTS.value:
+        raise app.UsageError(f"--prefill_batch={_PREFILL_BATCH.value}: must be in [0, --slots={_SLOTS.value}]")
     if _HEARTBEAT.value < 0:
         raise app.UsageError(f"--heartbeat={_HEARTBEAT.value}: must be >= 0 (0: no heartbeat)")
     if _PREFIX_MB.value < 0 or _PREFIX_BLOCK.value < 1:
@@ -174,6 +185,7 @@ def main(argv):
                     eos_ids=cfg.eos_token_ids, max_queue=_QUEUE.value, prefix_cache_bytes=_PREFIX_MB.value << 20,
                     prefix_block=_PREFIX_BLOCK.value, speculative=_SPEC.value,
                     decode_widths=None if _NARROW.value and not several else (_SLOTS.value,),
+                    prefill_batch=_PREFILL_BATCH.value or None, prefill_batch_chunk=_PREFILL_BATCH_CHUNK.value,
                     detokenize=detokenizer(tok, keep=(THINK_OPEN, THINK_CLOSE)), **engine_kw)  # fmt: skip
     if several and not distributed.is_main_process():
         n = multihost.follow(engine)  # until process 0 stops serving

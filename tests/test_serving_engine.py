@@ -46,7 +46,9 @@ def setup():
 def test_batched_greedy_equals_each_alone_without_recompiling(setup):
     eng, ref, _ = setup
     n0 = eng.compiled_programs()
-    assert n0 == 11  # decode x 3 widths (1, 2, 3 slots), put x 2 (1, 2), move, prefill x 2, insert, init x 2
+    # decode x 3 widths (1, 2, 3 slots), put x 2 (1, 2), move; prefill x 2 buckets x 3 prefill widths (1, 2, 3
+    # requests), insert, cache init and fresh h x 3 prefill widths (the width-3 init also makes the 3-slot cache)
+    assert n0 == 21
     # 5 requests over 3 slots: some wait, join when others leave, and prefill in 1- and 8-token chunks.
     out = E.generate(eng, [E.Request(p, max_tokens=n) for p, n in zip(PROMPTS, MAX_NEW)])
     assert out == ref
@@ -115,14 +117,53 @@ def test_bad_requests_name_the_field(setup):
         E.Engine(model, buckets=(4, 8))
 
 
-def test_narrow_decode_steps_give_the_full_width_tokens(setup):
+@pytest.fixture(scope="module")
+def full(setup):
+    """An engine of all-slot decode steps that prefills one request at a time (decode, prefill x 2, insert, cache
+    init x 2, fresh h)."""
+    full = E.Engine(setup[2], slots=3, max_len=40, buckets=(1, 8), compiler_options=FAST, decode_widths=(3,),
+                    prefill_batch=1)  # fmt: skip
+    full.warmup()
+    return full
+
+
+def test_batched_prefill_gives_each_request_alone(setup, full):
+    """Requests with the same chunk plan are prefilled together (6 requests with 9-token prompts, chunks 8 + 1, in
+    two groups of 3 through the [3, C] programs; then one request of a group cancelled while it prefills):
+    greedy tokens equal each prompt decoded alone (`_greedy_alone`), sampled ones equal the one-at-a-time
+    engine's, and nothing compiles."""
+    eng, _, model = setup
+    n0 = eng.compiled_programs()
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(1, 128, 9)] for _ in range(6)]
+    gen = generate.Generator(model)
+    reqs = lambda: [E.Request(p, max_tokens=5, temperature=0.9 * (i % 2), top_k=20, seed=i)  # noqa: E731
+                    for i, p in enumerate(prompts)]  # fmt: skip
+    eng.stats.clear()
+    out = E.generate(eng, reqs())
+    assert eng.stats["prefill_groups"] == 2 and eng.stats["prefill_tokens"] == 6 * 9
+    assert out == E.generate(full, reqs()) and full.stats["prefill_groups"] == 6
+    assert out[0::2] == [_greedy_alone(gen, p, 5) for p in prompts[0::2]]
+    # a cancel inside a group: the request ends "cancelled", the group's others are unaffected
+    events = {}
+    rs = [E.Request(p, max_tokens=4) for p in prompts[:3]]
+    for r in rs:
+        eng.submit(r, lambda ev: events.setdefault(ev.request_id, []).append(ev))
+    eng.step()  # admits the three as one group and prefills its first chunk
+    assert eng.busy_slots == 3 and not eng._active
+    eng.cancel(rs[1].id)
+    eng.run_until_idle()
+    assert events[rs[1].id][-1].finish_reason == "cancelled" and eng.busy_slots == 0
+    assert [[t for ev in events[r.id] for t in ev.token_ids] for r in (rs[0], rs[2])] == [out[0][:4], out[2][:4]]
+    assert eng.compiled_programs() == n0
+
+
+def test_narrow_decode_steps_give_the_full_width_tokens(setup, full):
     """Steps over the first b slots only (b = the smallest width covering the busy slots) give exactly the tokens of
     an engine that always runs all slots, greedy and sampled, with requests joining and leaving (slots freed out
     of order, so holes below the highest busy slot too)."""
     eng, ref, model = setup
-    full = E.Engine(model, slots=3, max_len=40, buckets=(1, 8), compiler_options=FAST, decode_widths=(3,))
-    full.warmup()
-    assert full.compiled_programs() == 6 and eng.decode_widths == (1, 2, 3)
+    assert full.compiled_programs() == 7 and eng.decode_widths == (1, 2, 3)
     reqs = lambda: [E.Request(p, max_tokens=n, temperature=0.8 * (i % 2), top_k=30, seed=i)  # noqa: E731
                     for i, (p, n) in enumerate(zip(PROMPTS + PROMPTS[:2], MAX_NEW + [3, 12]))]  # fmt: skip
     eng.stats.clear()
@@ -130,7 +171,7 @@ def test_narrow_decode_steps_give_the_full_width_tokens(setup):
     assert out == E.generate(full, reqs())
     assert out[0::2][:3] == [ref[0], ref[2], ref[4]]  # the greedy ones: the reference too
     assert all(eng.stats[f"decode_width_{b}"] > 0 for b in (1, 2, 3)) and eng.stats["slot_moves"] > 0
-    assert eng.compiled_programs() == 11 and full.compiled_programs() == 6  # moves and narrow steps compile nothing
+    assert eng.compiled_programs() == 21 and full.compiled_programs() == 7  # moves, narrow steps: no compile
     assert set(full.stats) & {"decode_width_1", "decode_width_2"} == set() and full.stats["decode_width_3"] > 0
     assert P.widths(1) == (1,) and P.widths(6) == (1, 2, 4, 6) and P.widths(16) == (1, 2, 4, 8, 16)
     for bad in ((1, 2), (0, 3), (4,), ()):

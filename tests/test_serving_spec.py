@@ -91,7 +91,9 @@ def _run(eng, reqs, late=2, after=3):
 def test_speculative_greedy_tokens_and_acceptance(setup):
     spec, ref = setup
     n0 = spec.compiled_programs()
-    assert n0 == 15  # decode x 3 widths (1, 2, 3 slots), put x 2, move, prefill x 2, insert, cache init x 2, the prefix cache's 4
+    # decode x 3 widths (1, 2, 3 slots), put x 2, move; prefill x 2 buckets, insert, cache init and fresh h per
+    # prefill width (1, 2, 3 requests); the prefix cache's 4 and its rows / state programs for 2 and 3 rows
+    assert n0 == 29
     spec.stats.clear()
     out, last = _run(spec, [E.Request(p, max_tokens=n) for p, n in zip(PROMPTS, MAX_NEW)])
     expected = []
@@ -113,6 +115,30 @@ def test_speculative_greedy_tokens_and_acceptance(setup):
     again, last2 = _run(spec, [E.Request(p, max_tokens=n) for p, n in zip(PROMPTS, MAX_NEW)])
     assert again == out and [(e.drafted, e.accepted) for e in last2] == expected
     assert [e.prefix_tokens for e in last2] == [8, 0, 24, 8, 16]
+    assert spec.compiled_programs() == n0
+
+
+def test_batched_prefill_keeps_the_mtp_cache_and_the_snapshots(setup):
+    """Three 17-token prompts prefilled as one group (chunks 8, 8, 1 of a [3, C] program; the MTP pairs and the
+    first drafts of each row): greedy tokens and the drafts accepted as the cache-free reference says; then each
+    alone resumes from the snapshots the group stored row by row (16 tokens) with the same tokens and drafts."""
+    spec, ref = setup
+    n0 = spec.compiled_programs()
+    spec.prefix.clear()
+    spec.stats.clear()
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(1, 128, 17)] for _ in range(3)]
+    out, last = _run(spec, [E.Request(p, max_tokens=6) for p in prompts], late=0, after=0)
+    assert spec.stats["prefill_groups"] == 1
+    accepts = []
+    for p, o, e in zip(prompts, out, last):
+        logits, drafts, _ = ref(p + o)
+        assert o == list(np.argmax(logits[len(p) - 1 : -1], axis=-1))
+        accepts.append(_accepts(p, o, drafts))
+        assert (e.drafted, e.accepted) == accepts[-1]
+    for p, o, acc in zip(prompts, out, accepts):
+        again, last2 = _run(spec, [E.Request(p, max_tokens=6)], late=0, after=0)
+        assert again[0] == o and last2[0].prefix_tokens == 16 and (last2[0].drafted, last2[0].accepted) == acc
     assert spec.compiled_programs() == n0
 
 

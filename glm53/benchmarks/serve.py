@@ -31,6 +31,7 @@ from flax import nnx
 
 from glm53.files import atomic_write
 from glm53.serving import engine as E
+from glm53.serving.admit import sampling_args
 from glm53.train import routing
 
 
@@ -118,7 +119,7 @@ def step_costs(model, slots: list[int], options: dict[str, dict | None], *, max_
     calls = {}
     for key, (eng, b) in progs.items():
         z, none = np.zeros(b, bool), [None] * b
-        args = (z, z, eng._masks(none), np.zeros(b, np.int32), eng._sampling_args(none, b))
+        args = (z, z, eng._masks(none), np.zeros(b, np.int32), sampling_args(none, b))
         calls[key] = functools.partial(eng._run_decode, *args)  # an idle step of width b (compiles here)
         calls[key]()
     times: dict = defaultdict(list)

@@ -8,11 +8,11 @@ Programs (all compiled once, at `warmup`; `compiled_programs` counts them; built
     free slot and each step runs the smallest width covering the highest busy slot (idle slots above it cost
     nothing; a narrower step returns its b rows, which `put` writes back); move: a busy slot's rows copied
     into a free lower one, when that allows a narrower step;
-  * prefill [1, C] for each bucket C: a new request is fed, a chunk per engine step between decode steps, into
-    a batch-1 staging cache; a prompt of L tokens is split into bucket-sized chunks, largest first (the buckets
-    include 1, so no chunk is ever padded: every chunk is exact);
-  * insert: the finished staging cache is written over the free slot's rows (every row and position, so nothing
-    of the slot's previous request survives), and the first token is sampled from the prefill's last logits.
+  * prefill [w, C] per bucket C: new requests are fed, a chunk per engine step between decode steps, into a
+    staging cache of w rows, up to max(prefill_widths) requests of one chunk plan together (glm53.serving.admit);
+    a prompt is split into bucket-sized chunks, largest first (buckets include 1: no chunk is ever padded);
+  * insert [w]: the staging cache's rows written over their slots' (every row and position: nothing of a slot's
+    previous request survives), each first token sampled from the prefill's last logits.
 Options: `prefix_cache_bytes` > 0: a prompt sharing whole blocks of `prefix_block` tokens with an earlier one
 resumes from their snapshots (glm53.serving.prefix; chunks then end on block boundaries, 4 more programs);
 `speculative=True`: the decode step verifies each slot's MTP draft (glm53.serving.speculative; the decode,
@@ -27,7 +27,6 @@ text that may begin a stop string is held back), max_tokens, the cache's length,
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import numbers
 import queue
@@ -42,31 +41,13 @@ from flax import nnx
 
 from glm53 import parallel as S
 from glm53.generate import decode_state
-from glm53.model import Cache, Glm53Model
+from glm53.model import Glm53Model
 from glm53.serving import programs as P
 from glm53.serving import speculative as spec
+from glm53.serving.admit import Group, Seq, groupable, mask_rows, sampling_args, width_for
 from glm53.serving.prefix import PrefixCache, chunk_plan
-from glm53.serving.request import Event, QueueFull, Request, Sink  # noqa: F401 - the engine's API, re-exported
+from glm53.serving.request import Event, QueueFull, Request, Sink, check_request  # noqa: F401 - the engine's API
 from glm53.serving.text import StopText
-
-
-@dataclasses.dataclass
-class _Seq:
-    req: Request
-    sink: Sink
-    slot: int
-    eos: frozenset
-    stop: StopText
-    generated: list[int] = dataclasses.field(default_factory=list)
-    chunks: list[int] = dataclasses.field(default_factory=list)
-    fed: int = 0  # prompt tokens prefilled so far
-    resumed: int = 0  # prompt tokens restored from the prefix cache
-    drafted: int = 0
-    accepted: int = 0
-    t_submit: float = 0.0
-    t_first: float | None = None
-    forced: list[int] = dataclasses.field(default_factory=list)  # ids fed in place of the next sampled ones
-    think_done: bool = False  # `</think>` was generated (Request.think_budget)
 
 
 class Engine:
@@ -77,7 +58,9 @@ class Engine:
     counters; drive it with `step` / `run`.
     prefix_cache_bytes: the prefix cache's byte budget (0: off), prefix_block its block (tokens, a multiple of
     index_kpool); speculative: MTP speculative decoding (the model needs its MTP block). mesh / rules: the mesh
-    and rule set a sharded model was placed with (caches are created in the rules' shardings)."""
+    and rule set a sharded model was placed with (caches are created in the rules' shardings).
+    prefill_batch: the most requests prefilled together (None: min(slots, 8); a sharded model: 1), in groups of
+    the widths 1, 2, 4, ..., prefill_batch, for chunks of at most prefill_batch_chunk tokens (glm53.serving.admit)."""
 
     def __init__(
         self,
@@ -96,8 +79,11 @@ class Engine:
         decode_widths: Sequence[int] | None = None,
         mesh=None,
         rules="tp",
+        prefill_batch: int | None = None,
+        prefill_batch_chunk: int = 64,
     ):
-        for name, v, lo in (("slots", slots, 1), ("max_len", max_len, 2), ("max_queue", max_queue, 1)):
+        for name, v, lo in (("slots", slots, 1), ("max_len", max_len, 2), ("max_queue", max_queue, 1),
+                            ("prefill_batch_chunk", prefill_batch_chunk, 1)):  # fmt: skip
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
                 raise ValueError(f"{name}={v!r}: must be an integer >= {lo}")
         buckets = sorted(set(buckets))
@@ -113,6 +99,10 @@ class Engine:
         if decode_widths is None:
             decode_widths = P.widths(slots) if mesh is None else (slots,)
         self.decode_widths = P.check_widths(decode_widths, slots)
+        prefill_batch = (min(slots, 8) if mesh is None else 1) if prefill_batch is None else prefill_batch
+        if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) or not 1 <= prefill_batch <= slots:
+            raise ValueError(f"prefill_batch={prefill_batch!r}: must be an integer in [1, slots={slots}]")
+        self.prefill_widths, self.prefill_batch_chunk = P.widths(prefill_batch), prefill_batch_chunk
         compiler_options = P.cpu_options(compiler_options)
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.detokenize = detokenize
@@ -138,10 +128,9 @@ class Engine:
         self._cancels: queue.SimpleQueue = queue.SimpleQueue()
         self._cancelled: set[str] = set()
         self._wake = threading.Event()
-        self._active: dict[int, _Seq] = {}
-        self._prefilling: _Seq | None = None
-        self._staging: Cache | None = None
-        self._h = None  # the staging's last hidden state (the MTP block pairs it with the next token)
+        self._active: dict[int, Seq] = {}
+        self._held: collections.deque[Seq] = collections.deque()  # taken from the queue, not yet in a group
+        self._group: Group | None = None  # the requests being prefilled
         self._tokens = np.zeros(slots, np.int32)
         self._drafts = np.zeros(slots, np.int32)  # speculative: each slot's draft of the token after its next
         self._ids = 0
@@ -160,8 +149,8 @@ class Engine:
         if self._rep is not None:  # sharded: outputs placed as the inputs come (no second compile per program)
             decode, prefill, insert = (functools.partial(P.placed, f, self._place, self._rep)
                                        for f in (decode, prefill, insert))  # fmt: skip
-        h0 = jnp.zeros((1, 1, self.cfg.hidden_size), self._h_dtype)
-        self._h0 = jit(lambda: h0, out_shardings=self._rep)  # a fresh staging's h, where prefill's h lives
+        d, dt = self.cfg.hidden_size, self._h_dtype  # a fresh staging's h [w, 1, D], where prefill's h lives
+        self._h0 = {w: jit(lambda w=w: jnp.zeros((w, 1, d), dt), out_shardings=self._rep) for w in self.prefill_widths}
         self._prefill, self._insert = jit(prefill, donate_argnums=(1,)), jit(insert, donate_argnums=(1,))
         self._decodes = {b: jit(P.narrow(decode, b)) for b in self.decode_widths[:-1]}  # then `put`
         self._decodes[self.slots] = jit(decode, donate_argnums=(1,))
@@ -173,9 +162,10 @@ class Engine:
         )
 
     def compiled_programs(self) -> int:
-        """Programs compiled so far (decode per width, put per narrower width, move, prefill per bucket, insert,
-        cache init, the prefix cache's four): constant after `warmup`."""
-        extra = (*self._decodes.values(), *(self.prefix.programs if self.prefix else ()))
+        """Programs compiled so far (decode per width, put per narrower width, move, prefill per (prefill width,
+        bucket), insert, cache init and fresh h per prefill width, the prefix cache's four and two more per prefill
+        width > 1): constant after `warmup`."""
+        extra = (*self._decodes.values(), *self._h0.values(), *(self.prefix.programs if self.prefix else ()))
         extra += (self._move, self._put) if len(self.decode_widths) > 1 else ()
         return sum(f._cache_size() for f in (self._prefill, self._insert, self._init, *extra))
 
@@ -184,21 +174,23 @@ class Engine:
         t0 = time.perf_counter()
         for b in self.decode_widths:
             t, z, none = time.perf_counter(), np.zeros(b, bool), [None] * b
-            self._run_decode(z, z, self._masks(none), np.zeros(b, np.int32), self._sampling_args(none, b))
+            self._run_decode(z, z, self._masks(none), np.zeros(b, np.int32), sampling_args(none, b))
             if log:
                 log(f"compiled decode [{b} slots{', speculative' if self.speculative else ''}] "
                     f"({time.perf_counter() - t:.1f} s)")  # fmt: skip
-        staging = self._new_staging()
-        for c in self.buckets:
-            t = time.perf_counter()
-            logits, staging = self._run_prefill(staging, np.zeros((1, c), np.int32))
-            jax.block_until_ready(logits)
-            if log:
-                log(f"compiled prefill chunk {c} ({time.perf_counter() - t:.1f} s)")
-        if self.prefix:
-            jax.block_until_ready(self.prefix.warmup(self._new_staging()))
-        staging = self._new_staging()  # a fresh one: the warm-up chunks may have run past max_len
-        self._run_insert(staging, 0, logits, None)
+        for w in self.prefill_widths:
+            g = Group([], w, self._init(self.state, w), [], h=self._h0[w]())
+            for c in self.buckets if w == 1 else [c for c in self.buckets if c <= self.prefill_batch_chunk]:
+                t = time.perf_counter()
+                logits, g.h, g.staging = self._prefill(self.state, g.staging, np.zeros((w, c), np.int32), g.h)
+                jax.block_until_ready(logits)
+                if log:
+                    log(f"compiled prefill chunk {c}" + (f" x {w} requests" if w > 1 else "")
+                        + f" ({time.perf_counter() - t:.1f} s)")  # fmt: skip
+            if self.prefix:
+                jax.block_until_ready(self.prefix.warmup(g.staging, g.h if self.speculative else None))
+            g.staging, g.h = self._init(self.state, w), self._h0[w]()  # fresh: the warm-up chunks may pass max_len
+            self._run_insert(g, logits)
         if len(self.decode_widths) > 1:
             self.cache = self._move(self.cache, 0, 0)
         self.warm = True
@@ -207,19 +199,17 @@ class Engine:
             log(f"engine warm: {self.compiled_programs()} programs in {dt:.1f} s")
         return dt
 
-    def _new_staging(self) -> Cache:
-        self._h = self._h0()
-        return self._init(self.state, 1)
-
-    def _run_prefill(self, staging: Cache, toks):
-        logits, self._h, staging = self._prefill(self.state, staging, toks, self._h)
-        return logits, staging
-
-    def _run_insert(self, staging: Cache, slot: int, logits, seq) -> int:
-        args = self._masks([seq]), *self._sampling_args([seq], 1)
-        out, self.cache = self._insert(self.state, self.cache, staging, slot, logits, self._h, *args)
-        tok, self._drafts[slot] = np.asarray(out)
-        return int(tok)
+    def _run_insert(self, g: Group, logits) -> list[int]:
+        """Writes the group's live rows into their slots; their first tokens (draft kept per slot)."""
+        rows = [None if s is None or s.cancelled else s for s in g.seqs + [None] * (g.width - len(g.seqs))]
+        slots = np.asarray([-1 if s is None else s.slot for s in rows], np.int32)
+        args = self._masks(rows), *sampling_args(rows, g.width)
+        out, self.cache = self._insert(self.state, self.cache, g.staging, slots, logits, g.h, *args)
+        out = np.asarray(out)
+        for s, (_, draft) in zip(rows, out):
+            if s is not None:
+                self._drafts[s.slot] = draft
+        return [int(t) for t in out[:, 0]]
 
     def _run_decode(self, active, verify, mask, counts, args) -> np.ndarray:
         """The step of width b = len(active) over the first b slots: tokens [b] (plain), or rows (y0, y1,
@@ -233,42 +223,17 @@ class Engine:
     # ---- constrained decoding (Request.constraint): a bool mask [n, V] per step; no slot constrained: the
     # all-true mask already on the device (no transfer). Every program always takes it: no program added.
     def _masks(self, seqs) -> jax.Array:
-        n, v = len(seqs), self.cfg.vocab_size
-        rows = [(i, s) for i, s in enumerate(seqs) if s is not None and s.req.constraint is not None]
-        if not rows:
-            if n not in self._true:
-                self._true[n] = jnp.ones((n, v), bool)
-            return self._true[n]
-        m = np.ones((n, v), bool)
-        for i, s in rows:
-            a = np.asarray(s.req.constraint.allowed(s.stop.text, len(s.generated)), bool)[:v]
-            m[i] = False
-            m[i, : len(a)] = a
-        return jnp.asarray(m)  # a device array like the all-true one (a numpy one would be another program)
-
-    def _sampling_args(self, seqs, n):
-        seeds, temp = np.zeros(n, np.uint32), np.zeros(n, np.float32)
-        top_p, top_k = np.ones(n, np.float32), np.zeros(n, np.int32)
-        for i, s in enumerate(seqs):
-            if s is not None:
-                r = s.req
-                seeds[i], temp[i], top_p[i], top_k[i] = r.seed % 2**32, r.temperature, r.top_p, r.top_k
-        return seeds, temp, top_p, top_k
+        m = mask_rows(seqs, self.cfg.vocab_size)
+        if m is not None:
+            return jnp.asarray(m)  # a device array like the all-true one (a numpy one would be another program)
+        if len(seqs) not in self._true:
+            self._true[len(seqs)] = jnp.ones((len(seqs), self.cfg.vocab_size), bool)
+        return self._true[len(seqs)]
 
     # ------------------------------------------------------------------------------------------- requests
     def check(self, req: Request) -> None:
         """ValueError naming the field when the request cannot run on this engine."""
-        p = req.prompt
-        if not isinstance(p, list) or not p:
-            raise ValueError("prompt: at least one token is needed")
-        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < self.cfg.vocab_size
-               for t in p):  # fmt: skip
-            raise ValueError(f"prompt: token ids must be integers in [0, {self.cfg.vocab_size})")
-        if len(p) + req.max_tokens > self.max_len:
-            raise ValueError(f"max_tokens: the prompt's {len(p)} tokens + max_tokens {req.max_tokens} exceed the "
-                             f"context of {self.max_len} tokens")  # fmt: skip
-        if req.constraint is not None and self.detokenize is None:
-            raise ValueError("constraint: constrained decoding needs the engine's detokenize (the text so far)")
+        check_request(req, self.cfg.vocab_size, self.max_len, self.detokenize is not None)
 
     def submit(self, req: Request, sink: Sink) -> str:
         """Queues a request (thread-safe); returns its id. ValueError for a bad request, QueueFull when full."""
@@ -276,7 +241,7 @@ class Engine:
         if not req.id:
             self._ids += 1
             req.id = f"req-{self._ids}"
-        seq = _Seq(req, sink, -1, frozenset(self.eos_ids if req.eos_ids is None else req.eos_ids),
+        seq = Seq(req, sink, -1, frozenset(self.eos_ids if req.eos_ids is None else req.eos_ids),
                    StopText(req.stop, self.detokenize), t_submit=time.perf_counter())  # fmt: skip
         try:
             self._waiting.put_nowait(seq)
@@ -294,17 +259,17 @@ class Engine:
 
     @property
     def queue_depth(self) -> int:
-        return self._waiting.qsize()
+        return self._waiting.qsize() + len(self._held)
 
     @property
     def busy_slots(self) -> int:
-        return len(self._active) + (self._prefilling is not None)
+        return len(self._active) + (len(self._group.live()) if self._group else 0)
 
     def idle(self) -> bool:
-        return not self._active and self._prefilling is None and self._waiting.empty()
+        return not self._active and self._group is None and not self._held and self._waiting.empty()
 
     # ------------------------------------------------------------------------------------------- the loop
-    def _finish(self, seq: _Seq, reason: str, tokens: list[int], text: str, error=None, stop=None) -> None:
+    def _finish(self, seq: Seq, reason: str, tokens: list[int], text: str, error=None, stop=None) -> None:
         if seq.slot >= 0:
             self._active.pop(seq.slot, None)
         self.stats["finished"] += 1
@@ -320,52 +285,86 @@ class Engine:
             except queue.Empty:
                 return
             hit = [s for s in self._active.values() if s.req.id == rid]
-            if self._prefilling is not None and self._prefilling.req.id == rid:
-                hit.append(self._prefilling)
-                self._prefilling, self._staging = None, None
+            g = self._group
+            for s in [s for s in g.live() if s.req.id == rid] if g else []:
+                s.cancelled = True  # its row is still prefilled (the group's shapes), never inserted
+                hit.append(s)
+            if g and not g.live():
+                self._group = None
             for s in hit:
                 self._finish(s, "cancelled", [], "")
             if not hit:
                 self._cancelled.add(rid)
 
-    def _admit(self) -> None:
-        while self._prefilling is None and len(self._active) < self.slots:
+    def _next_waiting(self) -> Seq | None:
+        """The oldest request not yet admitted (held ones first); cancelled ones are finished on the way."""
+        while True:
             try:
-                seq = self._waiting.get_nowait()
+                seq = self._held.popleft() if self._held else self._waiting.get_nowait()
             except queue.Empty:
-                return
-            if seq.req.id in self._cancelled:
-                self._cancelled.discard(seq.req.id)
-                self._finish(seq, "cancelled", [], "")
-                continue
-            seq.slot = min(set(range(self.slots)) - set(self._active))
-            staging = self._new_staging()
-            if self.prefix:
-                seq.resumed, staging, h = self.prefix.restore(seq.req.prompt, staging)
-                seq.fed = seq.resumed
-                self._h = self._h if h is None else h
-            block = self.prefix.block if self.prefix else 0
-            seq.chunks = chunk_plan(len(seq.req.prompt) - seq.fed, self.buckets, block)
-            self._prefilling, self._staging = seq, staging
+                return None
+            if seq.req.id not in self._cancelled:
+                return seq
+            self._cancelled.discard(seq.req.id)
+            self._finish(seq, "cancelled", [], "")
+
+    def _plan(self, seq: Seq) -> list[int]:
+        return chunk_plan(len(seq.req.prompt) - seq.resumed, self.buckets, self.prefix.block if self.prefix else 0)
+
+    def _admit(self) -> None:
+        """Starts a group when none is prefilling and a slot is free: the oldest waiting request, and behind it
+        the requests with its chunk plan (glm53.serving.admit); a prefix-cache hit is prefilled alone."""
+        free = sorted(set(range(self.slots)) - set(self._active))
+        if self._group is not None or not free:
+            return
+        head = self._next_waiting()
+        if head is None:
+            return
+        seqs, staging, h = [head], None, None
+        if self.prefix and self.prefix.match(head.req.prompt):
+            head.resumed, staging, h = self.prefix.restore(head.req.prompt, self._init(self.state, 1))
+        plan = self._plan(head)
+        if not head.resumed and groupable(plan, self.prefill_batch_chunk):
+            while len(seqs) < min(len(free), self.prefill_widths[-1]):
+                seq = self._next_waiting()
+                if seq is None:
+                    break
+                if (self.prefix and self.prefix.match(seq.req.prompt)) or self._plan(seq) != plan:
+                    self._held.appendleft(seq)  # the next group's head
+                    break
+                seqs.append(seq)
+        if self.prefix:
+            self.stats["prefix_lookups"] += len(seqs) - bool(head.resumed)  # restore counted the hit's
+        w = width_for(len(seqs), self.prefill_widths)
+        for seq, slot in zip(seqs, free):
+            seq.slot = slot
+        staging = self._init(self.state, w) if staging is None else staging
+        self._group = Group(seqs, w, staging, plan, fed=head.resumed, h=self._h0[w]() if h is None else h)
+        self.stats["prefill_groups"] += 1
 
     def _prefill_chunk(self) -> None:
-        seq = self._prefilling
-        c = seq.chunks.pop(0)
-        toks = np.asarray(seq.req.prompt[seq.fed : seq.fed + c], np.int32)[None]
-        logits, self._staging = self._run_prefill(self._staging, toks)
-        seq.fed += c
-        self.stats["prefill_tokens"] += c
+        g = self._group
+        c = g.chunks.pop(0)
+        toks = np.zeros((g.width, c), np.int32)
+        for i, s in enumerate(g.seqs):
+            toks[i] = s.req.prompt[g.fed : g.fed + c]
+        logits, g.h, g.staging = self._prefill(self.state, g.staging, toks, g.h)
+        g.fed += c
+        self.stats["prefill_tokens"] += c * len(g.live())
         if self.prefix:
-            h = self._h if self.speculative else None
-            self.prefix.store(seq.req.prompt, self._staging, seq.fed - c, seq.fed, h)
-        if seq.chunks:
+            for i, s in enumerate(g.seqs):
+                if not s.cancelled:
+                    self.prefix.store(s.req.prompt, g.staging, g.fed - c, g.fed, g.h if self.speculative else None, i)
+        if g.chunks:
             return
-        tok = self._run_insert(self._staging, seq.slot, logits, seq)
-        self._prefilling, self._staging = None, None
-        self._active[seq.slot] = seq
-        self._emit(seq, tok)
+        toks = self._run_insert(g, logits)
+        self._group = None
+        for s, tok in zip(g.seqs, toks):
+            if not s.cancelled:
+                self._active[s.slot] = s
+                self._emit(s, tok)
 
-    def _emit(self, seq: _Seq, tok: int) -> None:
+    def _emit(self, seq: Seq, tok: int) -> None:
         """Records a sampled token and sends what may be sent; finishes the request on a stop."""
         if seq.t_first is None:
             seq.t_first = time.perf_counter()
@@ -400,16 +399,17 @@ class Engine:
         return next(w for w in self.decode_widths if w >= n)
 
     def _compact(self) -> None:
-        """Moves the highest busy slot into the lowest free one while that allows a narrower decode step (the
+        """Moves the highest busy slot into the lowest free one while that allows a narrower decode step (a
         prefilling request's reserved slot is simply reassigned: its rows are written at insert)."""
-        pre = self._prefilling
+        pre = {s.slot: s for s in self._group.live()} if self._group else {}
         while True:
-            busy = set(self._active) | ({pre.slot} if pre else set())
+            busy = set(self._active) | set(pre)
             top, free = max(busy), min(set(range(self.slots)) - busy, default=self.slots)
             if free > top or self._width(len(busy)) >= self._width(top + 1):
                 return
-            if pre is not None and pre.slot == top:
-                pre.slot = free
+            if top in pre:
+                seq = pre.pop(top)
+                seq.slot, pre[free] = free, seq
                 continue
             seq = self._active.pop(top)
             self.cache = self._move(self.cache, top, free)
@@ -433,7 +433,7 @@ class Engine:
                              and s.req.constraint is None for s in seqs])  # fmt: skip
         t0 = time.perf_counter()
         mask = self._masks(seqs)
-        out = self._run_decode(active, verify, mask, counts, self._sampling_args(seqs, b))  # one host transfer
+        out = self._run_decode(active, verify, mask, counts, sampling_args(seqs, b))  # one host transfer
         self.stats["decode_us"] += int(1e6 * (time.perf_counter() - t0))
         self.stats["steps"] += 1
         for i, s in enumerate(seqs):
@@ -455,9 +455,9 @@ class Engine:
         """One round: cancellations, admission, one prefill chunk, one decode step. False when idle."""
         self._handle_cancels()
         self._admit()
-        if self._prefilling is None and not self._active:
+        if self._group is None and not self._active:
             return False
-        if self._prefilling is not None:
+        if self._group is not None:
             self._prefill_chunk()
         if self._active:
             self._decode_step()
@@ -483,8 +483,8 @@ class Engine:
                 self._wake.clear()
 
     def _fail_all(self, msg: str) -> None:
-        seqs = list(self._active.values()) + ([self._prefilling] if self._prefilling else [])
-        self._prefilling, self._staging = None, None
+        seqs = list(self._active.values()) + (self._group.live() if self._group else [])
+        self._group = None
         self.cache = self._init(self.state, self.slots)
         for s in seqs:
             self._finish(s, "error", [], "", msg)

@@ -112,7 +112,9 @@ class PrefixCache:
                 a if a.shape[1] == 0 else jax.lax.dynamic_update_slice_in_dim(a, x, jnp.maximum(s, 0), axis=1)
             )
 
-        def rows(staging: Cache, start):
+        def rows(staging: Cache, start, row):  # the staging cache's row `row` (a batched prefill's member)
+            staging = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1), staging)
+
             def one(c, s):
                 if not isinstance(c, DSACache):
                     return None
@@ -122,9 +124,10 @@ class PrefixCache:
             n = len(staging.layers)  # the MTP block's rows: one position earlier (module docstring)
             return tuple(one(c, start - (i == n)) for i, c in enumerate(dsa(staging)))
 
-        def state(staging: Cache):
-            return tuple((jnp.copy(c.conv_state), jnp.copy(c.state)) if isinstance(c, KDACache) else None
-                         for c in staging.layers)  # fmt: skip
+        def state(staging: Cache, h, row):
+            sl = lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1)  # noqa: E731
+            kda = tuple((sl(c.conv_state), sl(c.state)) if isinstance(c, KDACache) else None for c in staging.layers)
+            return kda, None if h is None else sl(h)
 
         def put_rows(staging: Cache, rows, start):
             def one(c, r, s):
@@ -155,17 +158,21 @@ class PrefixCache:
         self._blocks.clear()
         self.nbytes = 0
 
-    def warmup(self, staging: Cache) -> Cache:
-        """Compiles the four programs on a batch-1 staging cache; returns it (it is donated)."""
-        r, s = self._rows(staging, 0), self._state(staging)
-        staging = self._put_rows(staging, r, 0)
-        return self._put_state(staging, s, 0)
+    def warmup(self, staging: Cache, h=None):
+        """Compiles the programs for a staging cache of this many rows (`h`: its hidden states [rows, 1, D] when
+        states keep them): all four for one row (restores rebuild one-row staging caches), the two snapshot ones
+        for more (a batched prefill's). Returns what to wait on; `staging` is donated."""
+        r, (s, _) = self._rows(staging, 0, 0), self._state(staging, h, 0)
+        if staging.length.shape[0] > 1:
+            return r, s
+        return self._put_state(self._put_rows(staging, r, 0), s, 0)
 
     # ------------------------------------------------------------------------------------------ lookup
-    def restore(self, prompt: Sequence[int], staging: Cache) -> tuple[int, Cache, jnp.ndarray | None]:
-        """(tokens resumed, the staging cache rebuilt to that point, the hidden state there or None). 0 tokens:
-        the staging cache is returned as is."""
-        self.stats["prefix_lookups"] += 1
+    def match(self, prompt: Sequence[int]) -> int:
+        """The prompt tokens a `restore` would resume (no side effect)."""
+        return self._lookup(prompt)[1] * self.block
+
+    def _lookup(self, prompt):
         chain, depth = [], 0
         for name in block_names(prompt, self.block, (len(prompt) - 1) // self.block):
             b = self._blocks.get(name)
@@ -174,6 +181,13 @@ class PrefixCache:
             chain.append(name)
             if b.state is not None:
                 depth = len(chain)
+        return chain, depth
+
+    def restore(self, prompt: Sequence[int], staging: Cache) -> tuple[int, Cache, jnp.ndarray | None]:
+        """(tokens resumed, the staging cache rebuilt to that point, the hidden state there or None). 0 tokens:
+        the staging cache is returned as is."""
+        self.stats["prefix_lookups"] += 1
+        chain, depth = self._lookup(prompt)
         if not depth:
             return 0, staging, None
         for name in chain:  # the matched chain is now the most recently used
@@ -187,9 +201,10 @@ class PrefixCache:
         return n, self._put_state(staging, kda, n), h
 
     # ------------------------------------------------------------------------------------------ store
-    def store(self, prompt: Sequence[int], staging: Cache, start: int, end: int, h=None) -> None:
+    def store(self, prompt: Sequence[int], staging: Cache, start: int, end: int, h=None, row: int = 0) -> None:
         """Snapshots the blocks that the chunk [start, end) completed (and the state at `end` when it is a
-        boundary) from `staging`, whose length is `end`, then evicts down to the budget."""
+        boundary) from row `row` of `staging` (h: its hidden states [rows, 1, D] or None), whose length is `end`,
+        then evicts down to the budget."""
         k = self.block
         first, last = start // k, end // k  # the blocks ending in (start, end]
         names = block_names(prompt, k, last)
@@ -201,7 +216,7 @@ class PrefixCache:
             parent = names[i - 1] if i else None
             if parent is not None and parent not in self._blocks:
                 break  # the chain was cut by eviction: nothing deeper could be found
-            rows = self._rows(staging, i * k)
+            rows = self._rows(staging, i * k, row)
             self._blocks[name] = _Block(parent, rows, nbytes=_nbytes(rows))
             self.nbytes += self._blocks[name].nbytes
             if parent is not None:
@@ -209,7 +224,7 @@ class PrefixCache:
         if end % k == 0 and last and names[last - 1] in self._blocks:
             b = self._blocks[names[last - 1]]
             if b.state is None:
-                b.state = (self._state(staging), h)
+                b.state = self._state(staging, h, row)
                 n = _nbytes(b.state)
                 b.nbytes += n
                 self.nbytes += n

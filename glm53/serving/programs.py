@@ -98,15 +98,27 @@ def build(graphdef, keys: Callable):
         h, staging = m.hidden(tokens, cache=staging)
         return m.logits(h[:, -1:])[:, -1], h[:, -1:], staging
 
-    def insert(state, cache, staging, slot, logits, h_last, mask, seed, temp, top_p, top_k):
+    def insert(state, cache, staging, slots, logits, h_last, mask, seed, temp, top_p, top_k):
         logits = jnp.where(mask, logits, -jnp.inf)
-        cache = jax.tree.map(
-            lambda a, s: jax.lax.dynamic_update_slice_in_dim(a, s.astype(a.dtype), slot, axis=0), cache, staging
-        )
-        tok = sampling.sample(logits, keys(seed, jnp.zeros((1,), jnp.int32)), temp, top_p, top_k)
-        return jnp.concatenate([tok, tok]), cache  # (first token, its draft: none here)
+        tok = sampling.sample(logits, keys(seed, jnp.zeros_like(slots)), temp, top_p, top_k)
+        return jnp.stack([tok, tok], axis=1), write_rows(cache, staging, slots)  # (first token, its draft: none)
 
     return decode, prefill, insert
+
+
+def write_rows(cache, staging, slots):
+    """The cache with staging row i written over slot `slots[i]` for every i whose slot is >= 0 (the others, a
+    group's padding and cancelled rows, write nothing: slot 0's own rows back). Every array, every position."""
+    for i in range(slots.shape[0]):
+        ok = slots[i] >= 0
+        dst = jnp.where(ok, slots[i], 0)
+
+        def one(a, s, i=i, ok=ok, dst=dst):
+            row = jnp.where(ok, s[i : i + 1].astype(a.dtype), jax.lax.dynamic_slice_in_dim(a, dst, 1))
+            return jax.lax.dynamic_update_slice_in_dim(a, row, dst, axis=0)
+
+        cache = jax.tree.map(one, cache, staging)
+    return cache
 
 
 def placed(fn: Callable, place: Callable, replicated, *args):

@@ -73,3 +73,18 @@ class Event:
 
 
 Sink = Callable[[Event], None]
+
+
+def check_request(req: Request, vocab_size: int, max_len: int, has_text: bool) -> None:
+    """ValueError naming the field when `req` cannot run on an engine of this vocabulary and context (has_text:
+    the engine detokenizes, which constrained decoding needs)."""
+    p = req.prompt
+    if not isinstance(p, list) or not p:
+        raise ValueError("prompt: at least one token is needed")
+    if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size for t in p):
+        raise ValueError(f"prompt: token ids must be integers in [0, {vocab_size})")
+    if len(p) + req.max_tokens > max_len:
+        raise ValueError(f"max_tokens: the prompt's {len(p)} tokens + max_tokens {req.max_tokens} exceed the "
+                         f"context of {max_len} tokens")  # fmt: skip
+    if req.constraint is not None and not has_text:
+        raise ValueError("constraint: constrained decoding needs the engine's detokenize (the text so far)")

@@ -24,13 +24,13 @@ pair with the first sampled token, whose MTP logits give the first draft.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from glm53 import sampling
 from glm53.layers.kda import KDACache
 from glm53.model import Cache
+from glm53.serving import programs as P
 
 
 def _with_first(cache: Cache) -> Cache:
@@ -75,7 +75,7 @@ def build(graphdef, keys):
         return jnp.stack([y0, y1, acc.astype(jnp.int32), draft], axis=1), new
 
     def prefill(state, staging, tokens, h_prev):
-        """-> (last logits [1, V], last hidden [1, 1, D], staging) for the chunk `tokens` [1, C]."""
+        """-> (last logits [w, V], last hidden [w, 1, D], staging) for the chunk `tokens` [w, C]."""
         m = nnx.merge(gd, state)
         s = staging.length
         h, staging = m.hidden(tokens, cache=staging)
@@ -87,17 +87,14 @@ def build(graphdef, keys):
         _, staging = m.mtp_logits(h, nxt, cache=staging.replace(length=end), last_only=True)
         return m.logits(h[:, -1:])[:, -1], h[:, -1:], staging
 
-    def insert(state, cache, staging, slot, logits, h_last, mask, seed, temp, top_p, top_k):
-        """-> int32 [2] (first token, its draft) and the cache with the staging cache in row `slot`."""
+    def insert(state, cache, staging, slots, logits, h_last, mask, seed, temp, top_p, top_k):
+        """-> int32 [w, 2] (first token, its draft) per staging row and the cache with row i in slot `slots[i]`
+        (rows with a negative slot are not written: glm53.serving.programs.write_rows)."""
         m = nnx.merge(gd, state)
-        logits = jnp.where(mask, logits, -jnp.inf)  # [1, V]: a constrained request's first token
-        tok = sampling.sample(logits, keys(seed, jnp.zeros((1,), jnp.int32)), temp, top_p, top_k)
+        logits = jnp.where(mask, logits, -jnp.inf)  # [w, V]: a constrained request's first token
+        tok = sampling.sample(logits, keys(seed, jnp.zeros_like(slots)), temp, top_p, top_k)
         dl, staging = m.mtp_logits(h_last, tok[:, None], cache=staging)
-        cache = jax.tree.map(
-            lambda a, s: jax.lax.dynamic_update_slice_in_dim(a, s.astype(a.dtype), slot, axis=0),
-            cache,
-            staging,
-        )
-        return jnp.stack([tok[0], jnp.argmax(dl[0, -1]).astype(jnp.int32)]), cache
+        draft = jnp.argmax(dl[:, -1], axis=-1).astype(jnp.int32)
+        return jnp.stack([tok, draft], axis=1), P.write_rows(cache, staging, slots)
 
     return decode, prefill, insert
