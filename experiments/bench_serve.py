@@ -63,6 +63,9 @@ _NARROW = flags.DEFINE_enum(
 _PREFILL_BATCH = flags.DEFINE_integer(
     "prefill_batch", 0, "the most waiting requests prefilled together (0: the engine's default, min(slots, 8))"
 )
+_REPEATS = flags.DEFINE_integer(
+    "repeats", 1, "rounds over all settings (interleaved); each row is the round with its median total tokens/s"
+)
 _STEP_COSTS = flags.DEFINE_bool("step_costs", False, "time the decode step alone per slots / compile options")
 _ROUNDS = flags.DEFINE_integer("rounds", 200, "--step_costs: calls of each program (interleaved)")
 _MOE_IMPL = cli.define_moe_impl_flag()
@@ -96,6 +99,8 @@ def main(argv):
             raise app.UsageError(f"--{name}: must be >= 1")
     if not 0 <= _SHARED.value < _PROMPT_LEN.value:
         raise app.UsageError(f"--shared_prefix={_SHARED.value}: must be in [0, --prompt_len)")
+    if _REPEATS.value < 1:
+        raise app.UsageError(f"--repeats={_REPEATS.value}: must be >= 1")
     if _PREFILL_BATCH.value < 0:
         raise app.UsageError(f"--prefill_batch={_PREFILL_BATCH.value}: must be >= 0")
     if _SLOTS.value and _SLOTS.value < max(streams):
@@ -136,7 +141,7 @@ def main(argv):
     say(label or weights or f"config {cli.config_name('config')} (random weights)", flush=True)
     if _STEP_COSTS.value:
         return _step_costs(model, streams)
-    rows, traces = [], []
+    rows, traces, setups = [], [], []
     for n in streams:
         for mtp in mtp_settings:
             for prefix, narrow in ((p, w) for p in _settings(_PREFIX.value) for w in narrow_settings):
@@ -150,29 +155,41 @@ def main(argv):
                 if several:
                     kw.update(mesh=run.mesh, rules=run.rules)
                 sizes = dict(slots=_SLOTS.value or n, prompt_len=_PROMPT_LEN.value, max_new=_MAX_NEW.value)
-                eng = S.bench_engine(model, **sizes, engine_kwargs=kw)
-                if several and not main_process:
-                    multihost.follow(eng)  # until process 0 has measured this row
-                    continue
+                setups.append((n, dict(mtp=mtp, prefix_cache=prefix, narrow=narrow), sizes, kw))
+    engines = {}
+    for rep in range(_REPEATS.value):  # every setting once per round: the rounds interleave the settings
+        for i, (n, tags, sizes, kw) in enumerate(setups):
+            if i not in engines or several:  # several processes: one engine at a time (its own lead / follow)
+                engines[i] = S.bench_engine(model, **sizes, engine_kwargs=kw)
+            eng = engines[i]
+            if several and not main_process:
+                multihost.follow(eng)  # until process 0 has measured this row
+                continue
+            if several:
+                multihost.lead(eng)
+            if eng.prefix:
+                eng.prefix.clear()  # each round from a cold prefix cache
+            try:
+                row, trace = S.run_streams(model, cfg.vocab_size, n, **sizes, shared=_SHARED.value, engine=eng)
+            finally:
                 if several:
-                    multihost.lead(eng)
-                try:
-                    row, trace = S.run_streams(
-                        model, cfg.vocab_size, n, **sizes, shared=_SHARED.value, engine=eng
-                    )
-                finally:
-                    if several:
-                        multihost.stop(eng)
-                row.update(mtp=mtp, prefix_cache=prefix, narrow=narrow)
-                rows.append(row)
-                if not mtp:
-                    traces.append((row, trace))
-                extra = "".join(f"; {k} {row[k]:.2f}" if isinstance(row[k], float) else f"; {k} {row[k]}"
-                                for k in ("decode_step_ms", "prefix_hit_tokens", "mtp_acceptance") if k in row)  # fmt: skip
-                print(f"{n:3d} streams, {S.setting(row)}: {row['total_tok_s']:8.1f} tok/s total, "
-                      f"{row['per_stream_tok_s']:7.1f} per stream; TTFT p50 {row['ttft_p50_ms']:.0f} / p99 "
-                      f"{row['ttft_p99_ms']:.0f} ms; ITL p50 {row['itl_p50_ms']:.1f} / p99 {row['itl_p99_ms']:.1f} ms; "
-                      f"{row['decode_steps']} steps{extra}", flush=True)  # fmt: skip
+                    multihost.stop(eng)
+            row.update(tags)
+            rows.append((i, rep, row, trace))
+    rows, runs = S.median_rows(rows, len(setups))
+    for row, trace in rows:
+        if not row["mtp"]:
+            traces.append((row, trace))
+        n = row["streams"]
+        extra = "".join(f"; {k} {row[k]:.2f}" if isinstance(row[k], float) else f"; {k} {row[k]}"
+                        for k in ("decode_step_ms", "prefix_hit_tokens", "mtp_acceptance") if k in row)  # fmt: skip
+        if _REPEATS.value > 1:
+            extra += f"; median of {_REPEATS.value} rounds: " + " / ".join(f"{t:.1f}" for t in runs[n, S.setting(row)])
+        print(f"{n:3d} streams, {S.setting(row)}: {row['total_tok_s']:8.1f} tok/s total, "
+              f"{row['per_stream_tok_s']:7.1f} per stream; TTFT p50 {row['ttft_p50_ms']:.0f} / p99 "
+              f"{row['ttft_p99_ms']:.0f} ms; ITL p50 {row['itl_p50_ms']:.1f} / p99 {row['itl_p99_ms']:.1f} ms; "
+              f"{row['decode_steps']} steps{extra}", flush=True)  # fmt: skip
+    rows = [r for r, _ in rows]
     if not main_process:
         return
     if _EXPERTS.value and several:

@@ -132,6 +132,22 @@ def step_costs(model, slots: list[int], options: dict[str, dict | None], *, max_
             for (n, name), ts in times.items()]  # fmt: skip
 
 
+def median_rows(runs: list[tuple], settings: int) -> tuple[list[tuple[dict, dict]], dict]:
+    """From runs (setting index, round, row, trace): per setting, in setting order, the (row, trace) of the round
+    whose total tokens/s is the median (the lower middle of an even count), and {(streams, setting): every
+    round's total tokens/s}."""
+    out, totals = [], {}
+    for i in range(settings):
+        mine = sorted((r for r in runs if r[0] == i), key=lambda r: r[2]["total_tok_s"])
+        if not mine:
+            continue
+        _, _, row, trace = mine[(len(mine) - 1) // 2]
+        row["rounds"] = len(mine)
+        out.append((row, trace))
+        totals[row["streams"], setting(row)] = [r[2]["total_tok_s"] for r in sorted(mine, key=lambda r: r[1])]
+    return out, totals
+
+
 def distinct_experts(model, trace: dict) -> dict | None:
     """Mean distinct experts per MoE layer per decode step, and (token, expert) pairs per layer per step, from
     the replayed routing (module docstring); None for a model without routed experts."""
