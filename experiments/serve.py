@@ -74,9 +74,9 @@ _NARROW = flags.DEFINE_bool(
     "decode steps compiled for 1, 2, 4, ... slots too: idle slots cost nothing (more programs to compile)",
 )
 _PREFILL_BATCH = flags.DEFINE_integer(
-    "prefill_batch", 0,
-    "the most waiting requests prefilled together, one program per chunk (0: min(slots, 8); several processes: "
-    "1; 1: one at a time): more programs to compile at start-up",
+    "prefill_batch", 1,
+    "the most waiting requests prefilled together, one program per chunk (1: one at a time; 0: min(slots, 8), "
+    "1 with several processes); each width compiles its own prefill programs at start-up",
 )  # fmt: skip
 _PREFILL_BATCH_CHUNK = flags.DEFINE_integer(
     "prefill_batch_chunk", 64, "batched prefill only for prompts whose chunks are all at most this long"
