@@ -74,7 +74,7 @@ def _reference() -> list[tuple[str, int | None]]:
                                kernels={"moe": "auto"})  # fmt: skip
     tok = tokenizer.load_tokenizer(None, vocab_size=cfg.vocab_size)
     engine = Engine(model, slots=SLOTS, max_len=MAX_LEN, buckets=BUCKETS, eos_ids=cfg.eos_token_ids,
-                    decode_widths=(SLOTS,), compiler_options=FAST,
+                    decode_widths=(SLOTS,), compiler_options=FAST, prefill_batch=1,
                     detokenize=detokenizer(tok, keep=(THINK_OPEN, THINK_CLOSE)))  # fmt: skip
     with TestClient(make_app(engine, tok, MODEL, log=lambda s: None)) as http:  # runs the app's lifespan
         deadline = time.monotonic() + BOUND

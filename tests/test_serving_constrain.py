@@ -170,7 +170,7 @@ def setup():
     cfg = model_config_from_dict(tiny.get_config().model)
     model = build.random_model(cfg, seed=0, with_mtp=True)
     tok = tokenizer.ByteTokenizer(cfg.vocab_size)  # 128 ids: ASCII, one character each
-    kw = dict(slots=3, max_len=48, buckets=(1, 8), compiler_options=FAST, detokenize=tok.decode)
+    kw = dict(slots=3, max_len=48, buckets=(1, 8), compiler_options=FAST, detokenize=tok.decode, prefill_batch=1)
     plain = E.Engine(model, **kw)
     plain.warmup()
     spec = E.Engine(model, speculative=True, **kw)
