@@ -10,11 +10,14 @@ and off; the decode step's cost against the distinct experts it touched (glm53.b
   python -m experiments.bench_serve --step_costs --streams=1,2,4,8,16   # the decode step alone, per compile option
 
 For each stream count N and each setting: an engine of --slots slots (default: N, the smallest batch that holds
-them) is compiled and warmed, then N greedy requests (prompts of --prompt_len tokens whose first --shared_prefix
+them; waiting requests prefilled together, up to --prefill_batch, default the engine's min(slots, 8)) is compiled
+and warmed, then N greedy requests (prompts of --prompt_len tokens whose first --shared_prefix
 tokens are common to all, --max_new tokens each, no EOS) are submitted at once and run to completion in this
 thread. Per row: total and per-stream tokens/s, TTFT and ITL p50 / p99 in ms, decode steps and their mean time,
 the prefix cache's saved prefill tokens, MTP's acceptance, and (MTP off) the mean distinct experts per MoE layer
-per decode step. The last line is the ratio of the largest N's total tokens/s to one stream's. --out writes the
+per decode step. --repeats=R runs every setting R times in interleaved rounds (each row: the round with the
+median total tokens/s; every round's total printed). The last line is the ratio of the largest N's total tokens/s
+to one stream's. --out writes the
 rows as JSON, --png plots them (needs matplotlib). --narrow=off runs every decode step over all slots (the
 engine's default runs the smallest width 1, 2, 4, ... covering the busy slots: glm53.serving.programs).
 --step_costs times the decode step alone instead (no requests): at each --streams count as slots, under each
