@@ -95,14 +95,22 @@ def sample(logits_bv: jax.Array, key: jax.Array, temperature=1.0, top_p=1.0, top
     """
     b = logits_bv.shape[0]
     keys = stream_keys(key, b)
-    greedy = _per_stream(temperature, b, jnp.float32) <= 0
+    t = _per_stream(temperature, b, jnp.float32)
+    greedy = t <= 0
     argmax = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    # rows that keep every token (no top-k, no top-p): their draw needs no sort
+    plain = greedy | ((_per_stream(top_k, b, jnp.int32) <= 0) & (_per_stream(top_p, b, jnp.float32) >= 1.0))
 
-    def draw():
-        x = filtered_logits(logits_bv, temperature, top_p, top_k)
+    def draw(x):
         drawn = jax.vmap(lambda kk, row: jax.random.categorical(kk, row))(keys, x)
         return jnp.where(greedy, argmax, drawn).astype(jnp.int32)
 
-    # An all-greedy batch skips the filtering: its sort over the vocabulary costs ~1 ms per stream for 4k tokens
-    # on a CPU core (and grows with the vocabulary), more than a small model's whole decode step.
-    return jax.lax.cond(jnp.all(greedy), lambda: argmax, draw)
+    def unfiltered():  # the same logits `filtered_logits` gives a row that removes nothing: the same draw
+        return draw(logits_bv.astype(jnp.float32) / jnp.where(greedy, 1.0, t)[:, None])
+
+    # An all-greedy batch skips the filtering, and a batch of greedy and plain rows skips the sort: the sort over
+    # the vocabulary costs ~1 ms per stream for 4k tokens on a CPU core (and grows with the vocabulary), more
+    # than a small model's whole decode step.
+    case = jnp.where(jnp.all(greedy), 0, jnp.where(jnp.all(plain), 1, 2))
+    filtered = lambda: draw(filtered_logits(logits_bv, temperature, top_p, top_k))  # noqa: E731
+    return jax.lax.switch(case, [lambda: argmax, unfiltered, filtered])

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from glm53.sampling import filtered_logprobs, sample
+from glm53.sampling import filtered_logits, filtered_logprobs, sample
 
 # (temperature, top_p, top_k) per stream; no ties in the logits and no cumulative mass near a p boundary.
 PARAMS = [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 5), (0.5, 0.8, 7), (2.0, 0.6, 3), (1.0, 0.95, 1)]
@@ -120,3 +120,23 @@ def test_stream_draw_depends_only_on_its_key_and_logits(logits):
     assert sample(jnp.asarray(logits), raw, t, p, k).shape == (len(PARAMS),)
     with pytest.raises(ValueError, match="3 keys for 6 streams"):
         sample(jnp.asarray(logits), keys[:3], t, p, k)
+
+
+def test_rows_that_filter_nothing_draw_without_the_sort(logits):
+    """A batch of greedy rows and rows with neither top-k nor top-p takes `sample`'s sort-free branch; its tokens
+    equal the draw from `filtered_logits` (the sorting path), key for key, and equal each row's token in a batch
+    that filters (which runs the sorting path for every row). The empirical test above covers the distribution."""
+    n = 64
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(n, V)).astype(np.float32) * 2.0)
+    keys = jax.random.split(jax.random.key(13), n)
+    t = jnp.asarray(np.where(np.arange(n) % 4 == 0, 0.0, rng.uniform(0.3, 2.0, n)), jnp.float32)
+    ids = np.asarray(jax.jit(sample)(x, keys, t, 1.0, 0))
+    filt = filtered_logits(x, t, 1.0, 0)
+    ref = jax.vmap(lambda kk, row: jax.random.categorical(kk, row))(keys, filt)
+    ref = np.where(np.asarray(t) <= 0, np.asarray(x).argmax(-1), np.asarray(ref))
+    np.testing.assert_array_equal(ids, ref)
+    assert len(set(ids[np.asarray(t) > 0].tolist())) > 5  # real draws, not one token
+    # the same rows next to one that filters (top-k 3): every row through the sorting path, the same tokens
+    mixed = np.asarray(jax.jit(sample)(x, keys, t, 1.0, jnp.asarray([3] + [0] * (n - 1), jnp.int32)))
+    np.testing.assert_array_equal(mixed[1:], ids[1:])
