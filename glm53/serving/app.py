@@ -43,6 +43,7 @@ class _Stats:
         s = self.engine.stats
         for name, key, doc in (("glm53_generated_tokens", "tokens", "tokens generated"),
                                ("glm53_prefill_tokens", "prefill_tokens", "prompt tokens prefilled"),
+                               ("glm53_prefill_groups", "prefill_groups", "groups of requests prefilled together"),
                                ("glm53_decode_steps", "steps", "batched decode steps"),
                                ("glm53_requests", "requests", "requests accepted"),
                                ("glm53_requests_refused", "refused", "requests refused (queue full)"),
