@@ -64,7 +64,7 @@ class Group:
 
 
 def width_for(n: int, widths) -> int:
-    """The smallest width in `widths` (sorted) holding n rows."""
+    """The smallest width in `widths` (sorted) holding n rows (decode steps and prefill groups alike)."""
     return next(w for w in widths if w >= n)
 
 

@@ -396,7 +396,7 @@ class Engine:
         seq.sink(Event(seq.req.id, [tok], text))
 
     def _width(self, n: int) -> int:
-        return next(w for w in self.decode_widths if w >= n)
+        return width_for(n, self.decode_widths)
 
     def _compact(self) -> None:
         """Moves the highest busy slot into the lowest free one while that allows a narrower decode step (a
