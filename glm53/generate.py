@@ -23,8 +23,11 @@ from jax.sharding import Mesh
 
 from glm53 import parallel as S
 from glm53 import sampling
+from glm53.layers.linear import Linear
 from glm53.layers.moe import Experts
 from glm53.model import Cache, Glm53Model
+from kernels.matmul import cpu_ffi as matmul_ffi
+from kernels.matmul.streamed import StreamedKernel
 from kernels.moe import api as moe_api
 from kernels.moe import expert_list
 
@@ -102,28 +105,41 @@ _EXPERT_MATRICES = ("gate_proj", "up_proj", "down_proj")
 
 
 def decode_state(model: Glm53Model, state: nnx.State, tokens: int = 1) -> nnx.State:
-    """`state` with the dense routed-expert kernels of every MoE layer that decodes `tokens` tokens (all streams
-    of a step together) with the xla_cpu form (moe_impl "xla_cpu", or "auto" on the CPU backend) as
-    `ExpertList`s: views of the same memory, no copy (kernels/moe/expert_list.py: XLA:CPU copies every expert
-    slice of a stacked kernel before its matmul). Only kernels held on CPU devices are split; the state itself
-    when no layer qualifies."""
-    paths = set()
+    """`state` for decode programs on the CPU: the same arrays (no copy), some wrapped so that their few-row
+    products stream the weights once.
+
+    - Every Linear kernel (f32 [in, out] on one CPU device) as a `StreamedKernel` when the C++ row-matmul kernel
+      is available (kernels/matmul: its products with <= MAX_ROWS rows run there, larger ones are jnp.matmul).
+    - The dense routed-expert kernels of every MoE layer that decodes `tokens` tokens (all streams of a step
+      together) with the xla_cpu form (moe_impl "xla_cpu", or "auto" on the CPU backend): `StreamedKernel`s
+      (the decode form runs the row-matmul kernel over the distinct experts) when it is available, else
+      `ExpertList`s (kernels/moe/expert_list.py: views of the stacked kernel; XLA:CPU copies every expert slice
+      of a stacked kernel before its matmul).
+
+    The state itself when nothing qualifies."""
+    wrap = {}
+    streamed = matmul_ffi.available()
     slots = tokens * model.cfg.num_experts_per_tok
     for path, m in nnx.iter_graph(model):
+        if isinstance(m, Linear) and streamed and _on_one_cpu(m.kernel.get_value(), 2):
+            wrap[(*path, "kernel")] = StreamedKernel
         if not isinstance(m, Experts):
             continue
         if moe_api.select_implementation(m.implementation, slots, m.decode_max_slots) != "xla_cpu_decode":
             continue
         ws = [getattr(m, k).get_value() for k in _EXPERT_MATRICES]
         if all(isinstance(w, jax.Array) and {d.platform for d in w.devices()} == {"cpu"} for w in ws):
-            paths.update((*path, k) for k in _EXPERT_MATRICES)
-    if not paths:
+            split = StreamedKernel if streamed and all(_on_one_cpu(w, 3) for w in ws) else expert_list.split_experts
+            wrap.update({(*path, k): split for k in _EXPERT_MATRICES})
+    if not wrap:
         return state
-    flat = [
-        (p, v.replace(expert_list.split_experts(v.get_value())) if p in paths else v)
-        for p, v in nnx.to_flat_state(state)
-    ]
+    flat = [(p, v.replace(wrap[p](v.get_value())) if p in wrap else v) for p, v in nnx.to_flat_state(state)]
     return nnx.from_flat_state(flat)
+
+
+def _on_one_cpu(w, ndim: int) -> bool:
+    return (isinstance(w, jax.Array) and w.ndim == ndim and w.dtype == jnp.float32
+            and len(w.devices()) == 1 and next(iter(w.devices())).platform == "cpu")  # fmt: skip
 
 
 def _slice_stream(cache: Cache, b: int) -> Cache:

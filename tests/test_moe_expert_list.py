@@ -18,6 +18,7 @@ from glm53.config import QuantConfig, model_config_from_dict
 from glm53.layers.moe import Experts
 from glm53.model import Glm53Model
 from glm53.train.step import FAST_COMPILE
+from kernels.matmul import cpu_ffi as matmul_ffi
 from kernels.moe import api, expert_list
 from kernels.moe.expert_list import ExpertList
 
@@ -96,9 +97,11 @@ def test_experts_module_falls_back_to_stacked(case, implementation):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
-def test_generator_decodes_with_split_experts():
-    """Generator's one-token steps run on `decode_state` (ExpertLists for the xla_cpu layers, views of the same
-    buffers); its greedy tokens and logits equal those of the stacked state; a reference-MoE model keeps its state."""
+def test_generator_decodes_with_split_experts(monkeypatch):
+    """Without the row-matmul kernel (GLM53_MATMUL_FFI=0; tests/test_matmul_ffi_cpu.py covers it on) Generator's
+    one-token steps run on `decode_state` with ExpertLists for the xla_cpu layers, views of the same buffers; its
+    greedy tokens and logits equal those of the stacked state; a reference-MoE model keeps its state."""
+    monkeypatch.setenv(matmul_ffi.ENV, "0")
     cfg = model_config_from_dict(tiny.model_config("default"))
     model = Glm53Model(cfg, rngs=nnx.Rngs(3), with_mtp=False, quant=QuantConfig(experts="none", moe_impl="auto"))
     g = generate.Generator(model, compiler_options=FAST_COMPILE)  # cheapest compile (tests' train step option)

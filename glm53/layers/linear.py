@@ -9,6 +9,7 @@ from flax import nnx
 
 from glm53.layers.param import param
 from glm53.quant.int8 import Int8Weight
+from kernels.matmul.streamed import StreamedKernel
 
 
 class Linear(nnx.Module):
@@ -29,6 +30,7 @@ class Linear(nnx.Module):
         self.kernel = param(rngs, (in_features, out_features), axes, dtype, std=std)
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        if isinstance(self.kernel.get_value(), Int8Weight):  # int8 storage (checkpoint loader option)
-            return self.kernel.get_value().matmul(x)
+        w = self.kernel.get_value()
+        if isinstance(w, Int8Weight | StreamedKernel):  # int8 storage (a loader option); decode programs' few-row
+            return w.matmul(x)  # products (glm53.generate.decode_state)
         return jnp.matmul(x, self.kernel[...].astype(x.dtype))

@@ -11,6 +11,7 @@ from glm53.config import ModelConfig, QuantConfig
 from glm53.layers.mlp import MLP
 from glm53.layers.param import param
 from glm53.quant.qweight import QuantizedExperts, expert_formats
+from kernels.matmul.streamed import StreamedKernel
 from kernels.moe import api as moe_api
 from kernels.moe.expert_list import ExpertList
 
@@ -100,10 +101,10 @@ class Experts(nnx.Module):
     def __call__(self, x_td: jnp.ndarray, topk_ids_tk: jnp.ndarray, topk_w_tk: jnp.ndarray) -> jnp.ndarray:
         """x [T, D] with routing [T, K] -> weighted sum of the chosen experts' outputs [T, D] in x's dtype."""
         ws = (self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value())
-        if any(isinstance(w, ExpertList) for w in ws):  # split for CPU decode (glm53.generate): only the
-            n_slots = topk_ids_tk.shape[0] * topk_ids_tk.shape[1]  # xla_cpu decode form reads the parts
+        if any(isinstance(w, ExpertList | StreamedKernel) for w in ws):  # wrapped for CPU decode
+            n_slots = topk_ids_tk.shape[0] * topk_ids_tk.shape[1]  # (glm53.generate.decode_state): only the
             if moe_api.select_implementation(self.implementation, n_slots, self.decode_max_slots) != "xla_cpu_decode":
-                ws = tuple(w.stacked() if isinstance(w, ExpertList) else w for w in ws)
+                ws = tuple(_unwrap(w) for w in ws)  # xla_cpu decode form reads them wrapped
         return moe_api.moe_experts(
             x_td,
             topk_ids_tk,
@@ -113,6 +114,13 @@ class Experts(nnx.Module):
             implementation=self.implementation,
             decode_max_slots=self.decode_max_slots,
         )
+
+
+def _unwrap(w):
+    """The stacked array of a decode-wrapped expert kernel (ExpertList: a copy; StreamedKernel: the array)."""
+    if isinstance(w, ExpertList):
+        return w.stacked()
+    return w.unwrap() if isinstance(w, StreamedKernel) else w
 
 
 class MoE(nnx.Module):

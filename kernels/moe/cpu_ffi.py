@@ -10,23 +10,17 @@ exactly as `glm53.quant.dequant` / `reencode` do; accumulation is f32 in a fixed
 Formats: IQ2_S, IQ3_S, IQ4_XS, Q8_0, Q4_K ("planes" layout) and IQ2_S_R, IQ3_S_R ("reencoded"), any block
 splits. Anything else stays on the XLA path.
 
-The source is compiled on first use with the system C++ compiler ($CXX, else c++) into a per-user cache
-($XDG_CACHE_HOME or ~/.cache, then glm53/ffi/), named by a hash of the source, the flags, the compiler and the
-jax version (written to a temporary name, then renamed), and registered as the CPU FFI target
-"glm53_qmatvec". No compiler or a failed build: one warning, and `available()` is False (the XLA path runs).
+The source is compiled on first use (kernels/ffi_build.py: the system C++ compiler, a per-user cache keyed by
+a hash of the source, flags, compiler and jax version) and registered as the CPU FFI target "glm53_qmatvec".
+No compiler or a failed build: one warning, and `available()` is False (the XLA path runs).
 GLM53_MOE_FFI=0 turns the kernel off; GLM53_MOE_FFI_THREADS sets its threads (default min(2, cores); the
 kernel's worker pool is sized by the first call in a process). Both are read when a program is traced.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -36,12 +30,12 @@ import numpy as np
 
 from glm53.quant import tables
 from glm53.quant.planes import Planes
+from kernels import ffi_build
 
 ENV = "GLM53_MOE_FFI"
 ENV_THREADS = "GLM53_MOE_FFI_THREADS"
 TARGET = "glm53_qmatvec"
 SOURCE = Path(__file__).parent / "csrc" / "qmatvec.cc"
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 # format (the planes' block format name) -> the kernel's format code
 FORMAT_CODES = {"IQ2_S": 1, "IQ3_S": 2, "IQ2_S_R": 3, "IQ3_S_R": 4, "IQ4_XS": 5, "Q8_0": 6, "Q4_K": 7}
 _TABLES = {"IQ2_S": tables.GRID_WORDS["IQ2_S"], "IQ3_S": tables.GRID_WORDS["IQ3_S"]}  # grid words per entry
@@ -53,71 +47,31 @@ def enabled() -> bool:
 
 
 def default_threads() -> int:
-    v = os.environ.get(ENV_THREADS, "").strip()
-    if v:
-        try:
-            n = int(v)
-        except ValueError:
-            raise ValueError(f"${ENV_THREADS} must be a positive integer, got {v!r}") from None
-        if n < 1:
-            raise ValueError(f"${ENV_THREADS} must be a positive integer, got {v!r}")
-        return n
-    return max(1, min(2, os.cpu_count() or 1))
+    """$GLM53_MOE_FFI_THREADS, else min(2, cores)."""
+    return ffi_build.threads(ENV_THREADS)
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "glm53" / "ffi"
+    return ffi_build.cache_dir()
 
 
 def _compiler() -> str | None:
-    cxx = os.environ.get("CXX") or "c++"
-    return shutil.which(cxx)
+    return ffi_build.compiler()
 
 
 def library_path(cxx: str) -> Path:
     """Where the built kernel for this source, compiler, flags and jax version lives in the cache."""
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        version = ""
-    h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), jax.__version__.encode()):
-        h.update(part)
-        h.update(b"\0")
-    return _cache_dir() / f"qmatvec-{h.hexdigest()[:20]}.so"
+    return ffi_build.library_path(cxx, SOURCE)
 
 
 def _build(cxx: str, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
-    os.close(fd)
-    try:
-        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if r.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-4000:]}")
-        os.replace(tmp, out)  # atomic: a concurrent builder either sees nothing or a whole library
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    ffi_build.build(cxx, SOURCE, out)
 
 
 @functools.cache
 def _load() -> str | None:
     """Builds (once per cache key) and registers the kernel; None when ready, else the reason it is not."""
-    cxx = _compiler()
-    if cxx is None:
-        return f"no C++ compiler ({os.environ.get('CXX') or 'c++'} not found)"
-    try:
-        path = library_path(cxx)
-        if not path.exists():
-            _build(cxx, path)
-        lib = ctypes.CDLL(str(path))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.Glm53QMatvec), platform="cpu")
-    except Exception as e:  # noqa: BLE001 - any build / load failure means: use the XLA path
-        return f"{type(e).__name__}: {e}"
-    return None
+    return ffi_build.load(SOURCE, "Glm53QMatvec", TARGET)
 
 
 def available() -> bool:
