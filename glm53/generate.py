@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 
 from glm53 import parallel as S
 from glm53 import sampling
+from glm53.layers.hyper_connections import HyperConnection
 from glm53.layers.linear import Linear
 from glm53.layers.moe import Experts
 from glm53.model import Cache, Glm53Model
@@ -108,8 +109,9 @@ def decode_state(model: Glm53Model, state: nnx.State, tokens: int = 1) -> nnx.St
     """`state` for decode programs on the CPU: the same arrays (no copy), some wrapped so that their few-row
     products stream the weights once.
 
-    - Every Linear kernel (f32 [in, out] on one CPU device) as a `StreamedKernel` when the C++ row-matmul kernel
-      is available (kernels/matmul: its products with <= MAX_ROWS rows run there, larger ones are jnp.matmul).
+    - Every Linear kernel and mHC projection `fn` (f32 [in, out] on one CPU device) as a `StreamedKernel` when
+      the C++ row-matmul kernel is available (kernels/matmul: products with <= MAX_ROWS rows run there, larger
+      ones are jnp.matmul).
     - The dense routed-expert kernels of every MoE layer that decodes `tokens` tokens (all streams of a step
       together) with the xla_cpu form (moe_impl "xla_cpu", or "auto" on the CPU backend): `StreamedKernel`s
       (the decode form runs the row-matmul kernel over the distinct experts) when it is available, else
@@ -123,6 +125,8 @@ def decode_state(model: Glm53Model, state: nnx.State, tokens: int = 1) -> nnx.St
     for path, m in nnx.iter_graph(model):
         if isinstance(m, Linear) and streamed and _on_one_cpu(m.kernel.get_value(), 2):
             wrap[(*path, "kernel")] = StreamedKernel
+        if isinstance(m, HyperConnection) and streamed and _on_one_cpu(m.fn.get_value(), 2):
+            wrap[(*path, "fn")] = StreamedKernel
         if not isinstance(m, Experts):
             continue
         if moe_api.select_implementation(m.implementation, slots, m.decode_max_slots) != "xla_cpu_decode":

@@ -146,8 +146,8 @@ def test_moe_decode_form_on_streamed_experts(monkeypatch):
 
 
 def test_decode_state_wraps_linear_and_expert_kernels():
-    """decode_state wraps every f32 Linear kernel and the xla_cpu MoE layers' experts in StreamedKernels over the
-    same buffers (no copy); a Generator's greedy tokens from it equal those of the plain state, logits within f32
+    """decode_state wraps every f32 Linear kernel, mHC projection and the xla_cpu MoE layers' experts in
+    StreamedKernels over the same buffers (no copy); a Generator's greedy tokens from it equal those of the plain state, logits within f32
     error."""
     cfg = model_config_from_dict(tiny.model_config("default"))
     model = Glm53Model(cfg, rngs=nnx.Rngs(3), with_mtp=False, quant=QuantConfig(experts="none", moe_impl="auto"))
@@ -155,9 +155,9 @@ def test_decode_state_wraps_linear_and_expert_kernels():
     dstate = generate.decode_state(model, state)
     wrapped = [x for x in jax.tree.leaves(dstate, is_leaf=lambda x: isinstance(x, StreamedKernel))
                if isinstance(x, StreamedKernel)]  # fmt: skip
-    n_linear = sum(1 for _, m in nnx.iter_graph(model) if type(m).__name__ == "Linear")
+    kinds = [type(m).__name__ for _, m in nnx.iter_graph(model)]
     n_moe = sum(k == "moe" for k in cfg.mlp_layer_types)
-    assert n_moe > 0 and len(wrapped) == n_linear + 3 * n_moe
+    assert n_moe > 0 and len(wrapped) == kinds.count("Linear") + kinds.count("HyperConnection") + 3 * n_moe
     plain = {a.unsafe_buffer_pointer() for a in jax.tree.leaves(state)}
     assert all(x.w.unsafe_buffer_pointer() in plain for x in wrapped)  # the same arrays
 

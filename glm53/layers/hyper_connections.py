@@ -48,7 +48,7 @@ class HyperConnection(nnx.Module):
             )
         return mhc_api.mhc_pre(
             x_btnd,
-            self.fn[...],
+            self.fn.get_value(),  # an array, or decode_state's StreamedKernel of it
             self.base[...],
             self.scale[...],
             eps=self.eps,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels.matmul.streamed import StreamedKernel
+
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -62,7 +64,10 @@ def mixing_weights(
     b, t, n, d = x_btnd.shape
     f = x_btnd.reshape(b, t, n * d).astype(jnp.float32)
     f = f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + eps)  # unweighted RMS norm
-    m = jnp.matmul(f, fn.astype(jnp.float32), precision=_HIGHEST)  # [B, T, (2+n)*n]
+    if isinstance(fn, StreamedKernel):  # a decode program's weight (glm53.generate.decode_state): few rows in C++
+        m = fn.matmul(f)  # [B, T, (2+n)*n], f32 fma chains (as exact as HIGHEST)
+    else:
+        m = jnp.matmul(f, fn.astype(jnp.float32), precision=_HIGHEST)  # [B, T, (2+n)*n]
     base = base.astype(jnp.float32)
     scale = scale.astype(jnp.float32)
     pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps  # [B, T, n]
