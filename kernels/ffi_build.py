@@ -12,11 +12,13 @@ failed build): callers then warn once and take their XLA path.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import jax
@@ -100,3 +102,34 @@ def load(source: Path, symbol: str, target: str) -> str | None:
     except Exception as e:  # noqa: BLE001 - any build / load failure means: use the XLA path
         return f"{type(e).__name__}: {e}"
     return None
+
+
+class Kernel:
+    """One C++ kernel: its source, handler symbol, FFI target and on/off switch ($env, read at trace time).
+
+    `available()` builds and registers it on the first call (`load`, cached) and warns once per reason when it
+    cannot; callers then take their XLA path."""
+
+    def __init__(self, source: Path, symbol: str, target: str, env: str, what: str):
+        self.source, self.symbol, self.target, self.env, self.what = source, symbol, target, env, what
+
+    def enabled(self) -> bool:
+        return enabled(self.env)
+
+    @functools.cache  # noqa: B019 - one Kernel per module, alive for the process
+    def load(self) -> str | None:
+        """None once built and registered, else why not (cached: a process builds at most once)."""
+        return load(self.source, self.symbol, self.target)
+
+    def available(self) -> bool:
+        if not self.enabled():
+            return False
+        reason = self.load()
+        if reason is not None:
+            self.warn(reason)
+        return reason is None
+
+    @functools.cache  # noqa: B019
+    def warn(self, reason: str) -> None:
+        warnings.warn(f"glm53: the {self.what} ({self.source.name}) is unavailable, using the XLA path: {reason}",
+                      RuntimeWarning, stacklevel=4)  # fmt: skip

@@ -17,6 +17,7 @@ from gguf.constants import GGMLQuantizationType
 from test_moe_quant import moe_f64, random_gguf, rel_err
 
 from glm53.quant.qweight import QuantizedExperts
+from kernels import ffi_build
 from kernels.moe import api, cpu_ffi, xla_cpu
 
 LIMIT = 2.0
@@ -187,8 +188,9 @@ def test_build_failure_warns_once_and_falls_back(experts, monkeypatch, tmp_path)
     with pytest.raises(RuntimeError, match="failed"):
         cpu_ffi._build("false", tmp_path / "k.so")
     assert list(tmp_path.iterdir()) == []
-    monkeypatch.setattr(cpu_ffi, "_load", lambda: "no C++ compiler (test)")
-    cpu_ffi._warn.cache_clear()
+    kernel = ffi_build.Kernel(cpu_ffi.SOURCE, "Glm53QMatvec", cpu_ffi.TARGET, cpu_ffi.ENV, cpu_ffi.KERNEL.what)
+    monkeypatch.setattr(kernel, "load", lambda: "no C++ compiler (test)")
+    monkeypatch.setattr(cpu_ffi, "KERNEL", kernel)
     qs, kernels = experts
     ws = qs["planes"]
     x, ids, w = _routing(1, np.random.default_rng(5))
@@ -201,4 +203,3 @@ def test_build_failure_warns_once_and_falls_back(experts, monkeypatch, tmp_path)
     msgs = [str(s.message) for s in seen if "CPU quantized-expert kernel" in str(s.message)]
     assert len(msgs) == 1 and "no C++ compiler (test)" in msgs[0]
     assert rel_err(y, moe_f64(x, ids, w, kernels, LIMIT)) < 2e-5
-    cpu_ffi._warn.cache_clear()

@@ -16,8 +16,6 @@ thread). Both are read when a program is traced.
 
 from __future__ import annotations
 
-import functools
-import warnings
 from pathlib import Path
 
 import jax
@@ -32,33 +30,17 @@ TARGET = "glm53_rowmm"
 SOURCE = Path(__file__).parent / "csrc" / "rowmm.cc"
 
 
+KERNEL = ffi_build.Kernel(SOURCE, "Glm53RowMatmul", TARGET, ENV, "CPU few-row matmul kernel")
+
+
 def enabled() -> bool:
     """False when $GLM53_MATMUL_FFI is 0 / false / off / no."""
-    return ffi_build.enabled(ENV)
-
-
-@functools.cache
-def _load() -> str | None:
-    return ffi_build.load(SOURCE, "Glm53RowMatmul", TARGET)
+    return KERNEL.enabled()
 
 
 def available() -> bool:
     """True when the kernel is enabled and built (builds it on the first call; warns once when it cannot)."""
-    if not enabled():
-        return False
-    reason = _load()
-    if reason is not None:
-        _warn(reason)
-    return reason is None
-
-
-@functools.cache
-def _warn(reason: str) -> None:
-    warnings.warn(
-        f"glm53: the CPU few-row matmul kernel ({SOURCE.name}) is unavailable, using XLA's dot: {reason}",
-        RuntimeWarning,
-        stacklevel=3,
-    )
+    return KERNEL.available()
 
 
 def row_matmul(x: jax.Array, ids: jax.Array, w: jax.Array, threads: int | None = None) -> jax.Array:
@@ -70,7 +52,7 @@ def row_matmul(x: jax.Array, ids: jax.Array, w: jax.Array, threads: int | None =
     if x.dtype != jnp.float32 or w.dtype != jnp.float32:
         raise TypeError(f"row_matmul: f32 operands only, got x {x.dtype}, w {w.dtype}")
     if not available():
-        raise NotImplementedError(f"row_matmul: the kernel is unavailable ({_load() or 'disabled'})")
+        raise NotImplementedError(f"row_matmul: the kernel is unavailable ({KERNEL.load() or 'disabled'})")
     out = jax.ShapeDtypeStruct((n, x.shape[1], w.shape[2]), jnp.float32)
     call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
     t = ffi_build.threads(ENV_THREADS, 1) if threads is None else threads

@@ -19,9 +19,6 @@ kernel's worker pool is sized by the first call in a process). Both are read whe
 
 from __future__ import annotations
 
-import functools
-import os
-import warnings
 from pathlib import Path
 
 import jax
@@ -41,9 +38,12 @@ FORMAT_CODES = {"IQ2_S": 1, "IQ3_S": 2, "IQ2_S_R": 3, "IQ3_S_R": 4, "IQ4_XS": 5,
 _TABLES = {"IQ2_S": tables.GRID_WORDS["IQ2_S"], "IQ3_S": tables.GRID_WORDS["IQ3_S"]}  # grid words per entry
 
 
+KERNEL = ffi_build.Kernel(SOURCE, "Glm53QMatvec", TARGET, ENV, "CPU quantized-expert kernel")
+
+
 def enabled() -> bool:
     """False when $GLM53_MOE_FFI is 0 / false / off / no (read at trace time)."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    return KERNEL.enabled()
 
 
 def default_threads() -> int:
@@ -68,29 +68,9 @@ def _build(cxx: str, out: Path) -> None:
     ffi_build.build(cxx, SOURCE, out)
 
 
-@functools.cache
-def _load() -> str | None:
-    """Builds (once per cache key) and registers the kernel; None when ready, else the reason it is not."""
-    return ffi_build.load(SOURCE, "Glm53QMatvec", TARGET)
-
-
 def available() -> bool:
     """True when the kernel is enabled and built (builds it on the first call; warns once when it cannot)."""
-    if not enabled():
-        return False
-    reason = _load()
-    if reason is not None:
-        _warn(reason)
-    return reason is None
-
-
-@functools.cache
-def _warn(reason: str) -> None:
-    warnings.warn(
-        f"glm53: the CPU quantized-expert kernel ({SOURCE.name}) is unavailable, using the XLA path: {reason}",
-        RuntimeWarning,
-        stacklevel=3,
-    )
+    return KERNEL.available()
 
 
 def unsupported_reason(planes: Planes) -> str | None:
