@@ -59,9 +59,13 @@ def masked_attention(
     if g not in (1, h):
         raise ValueError(f"masked_attention: k/v have {g} heads, queries {h}; need 1 or {h}")
     q = q_bthc.astype(jnp.float32)
-    k = jnp.broadcast_to(k_bsgc, k_bsgc.shape[:2] + (h,) + k_bsgc.shape[3:]).astype(jnp.float32)
-    v = jnp.broadcast_to(v_bsge, v_bsge.shape[:2] + (h,) + v_bsge.shape[3:]).astype(jnp.float32)
-    s_bhts = jnp.einsum("bthc,bshc->bhts", q, k, precision=_HI) * scale
+    if g == 1:  # one shared head: contract it as it is (a broadcast to H heads is materialised by XLA:CPU, [B, S,
+        # H, R] per step, which grows with the batch and the context)
+        k, v = k_bsgc[:, :, 0].astype(jnp.float32), v_bsge[:, :, 0].astype(jnp.float32)
+        s_bhts = jnp.einsum("bthc,bsc->bhts", q, k, precision=_HI) * scale
+    else:
+        k, v = k_bsgc.astype(jnp.float32), v_bsge.astype(jnp.float32)
+        s_bhts = jnp.einsum("bthc,bshc->bhts", q, k, precision=_HI) * scale
     m = mask_bts[:, None]
     s_bhts = jnp.where(m, s_bhts, -jnp.inf)
     mx = jnp.max(s_bhts, axis=-1, keepdims=True)
@@ -69,7 +73,7 @@ def masked_attention(
     p = jnp.where(m, jnp.exp(s_bhts - mx), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(denom > 0, denom, 1.0)
-    o = jnp.einsum("bhts,bshe->bthe", p, v, precision=_HI)
+    o = jnp.einsum("bhts,bse->bthe" if g == 1 else "bhts,bshe->bthe", p, v, precision=_HI)
     return o.astype(q_bthc.dtype)
 
 
