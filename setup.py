@@ -25,7 +25,7 @@ setup(
     packages=find_packages(include=["glm53", "glm53.*", "kernels", "kernels.*"]),
     # The model shipped as the entry points' default (glm53/assets/mini/: config, weights, tokenizer, card).
     # + the C++ source of the CPU quantized-expert kernel (kernels/moe/cpu_ffi.py compiles it on first use)
-    package_data={"glm53.assets": ["*/*"], "kernels": ["csrc/*.h"], **{f"kernels.{op}": ["csrc/*.cc"] for op in ("moe", "matmul")}},
+    package_data={"glm53.assets": ["*/*"], "kernels": ["csrc/*.h"], **{f"kernels.{op}": ["csrc/*.cc"] for op in ("moe", "matmul", "kda")}},
     python_requires=">=3.10",
     install_requires=[
         "jax==0.10.2",

@@ -23,6 +23,7 @@ from glm53.layers.conv import ShortConv
 from glm53.layers.kda import KDA, KDACache, init_cache
 from kernels import dispatch
 from kernels.kda import api, xla_cpu
+from kernels.kda import cpu_ffi as kda_ffi
 
 TOL = 1e-5
 
@@ -397,3 +398,34 @@ def test_layer_rejects_bad_cache(layer_pair):
         ours(jnp.zeros((2, 3, 64)), cache=init_cache(cfg, 3, 0), start_b=jnp.zeros((2,), jnp.int32))
     with pytest.raises(ValueError, match="start_b"):
         ours(jnp.zeros((2, 3, 64)), cache=init_cache(cfg, 2, 0), start_b=jnp.zeros((3,), jnp.int32))
+
+
+def test_decode_step_kernel_live_streams_and_switch(naive, monkeypatch):
+    """A T = 1 step of the xla_cpu form runs the C++ step (kernels/kda/cpu_ffi.py): one custom call, fla's values;
+    a stream that is not `live` starts from zeros whatever its state holds (NaN here); each stream's result is the
+    same alone as in the batch (bit for bit); GLM53_KDA_FFI=0 gives the XLA form (no custom call), same values."""
+    assert kda_ffi.available()
+    q, k, v, g, beta, s0 = kda_inputs(5, 1)
+    live = np.array([True, False] + [True] * (B - 2))
+    s_in = s0.copy()
+    s_in[1] = np.nan
+    s_ref_in = s0.copy()
+    s_ref_in[1] = 0.0
+    o_ref, s_ref = fla_recurrent(naive, q, k, v, g, beta, s_ref_in)
+
+    def step(*a):
+        return api.recurrent_kda(*a[:5], scale=SCALE, initial_state=a[5], live=a[6], implementation="xla_cpu")
+
+    args = [jnp.asarray(a) for a in (q, k, v, g, beta, s_in, live)]
+    hlo = jax.jit(lambda *a: step(*a)).lower(*args).compile().as_text()
+    assert hlo.count('custom_call_target="glm53_kda_step"') == 1
+    o, s = jax.jit(step)(*args)
+    assert rel_err(o, o_ref) < TOL and rel_err(s, s_ref) < TOL
+    for i in (0, 1):
+        oi, si = jax.jit(step)(*(a[i : i + 1] for a in args))
+        assert np.array_equal(np.asarray(oi)[0], np.asarray(o)[i]) and np.array_equal(np.asarray(si)[0], np.asarray(s)[i])
+    monkeypatch.setenv(kda_ffi.ENV, "0")
+    off = jax.jit(lambda *a: step(*a))
+    assert off.lower(*args).compile().as_text().count("glm53_kda_step") == 0
+    o2, s2 = off(*args)
+    assert rel_err(o2, o) < 1e-6 and rel_err(s2, s) < 1e-6

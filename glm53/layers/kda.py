@@ -141,13 +141,12 @@ class KDA(nnx.Module):
                 f"KDA: cache shapes conv_state {cache.conv_state.shape}, state {cache.state.shape} do not "
                 f"match input batch {B} (want conv_state {expect}, state {(B, H, d, d)})"
             )
-        conv_state, state = cache.conv_state, cache.state.astype(jnp.float32)
+        conv_state, state, live = cache.conv_state, cache.state.astype(jnp.float32), None
         if start_b is not None:
             if start_b.shape != (B,):
                 raise ValueError(f"KDA: start_b must have shape [B={B}], got {start_b.shape}")
             live = start_b > 0  # a stream at position 0 starts from a zero state
             conv_state = jnp.where(live[:, None, None], conv_state, jnp.zeros_like(conv_state))
-            state = jnp.where(live[:, None, None, None], state, 0.0)
 
         cq, ck, cv = jnp.split(conv_state, 3, axis=-1)  # [B, K-1, HD] each
         qp, kp, vp = self.q_proj(x_btd), self.k_proj(x_btd), self.v_proj(x_btd)
@@ -165,7 +164,7 @@ class KDA(nnx.Module):
         if cache.after_first is not None:  # token 0, then the rest: keep the state between them
             x0 = jnp.concatenate([qp[:, :1], kp[:, :1], vp[:, :1]], axis=-1).astype(conv_state.dtype)
             conv_1 = jnp.concatenate([conv_state, x0], axis=1)[:, 1:]
-            outs, s = [], state
+            outs, s = [], kda_api.live_state(state, live)
             for i in range(T):
                 qi, ki, vi, gi, bi = (a[:, i : i + 1] for a in (q, k, v, g, beta))
                 o_i, s = kda_api.recurrent_kda(qi, ki, vi, gi, bi, initial_state=s, **kw)
@@ -173,9 +172,9 @@ class KDA(nnx.Module):
                 first = (conv_1.astype(cache.conv_state.dtype), s) if i == 0 else first
             o, new_state = jnp.concatenate(outs, axis=1), s
         elif T == 1:
-            o, new_state = kda_api.recurrent_kda(q, k, v, g, beta, initial_state=state, **kw)
+            o, new_state = kda_api.recurrent_kda(q, k, v, g, beta, initial_state=state, live=live, **kw)
         else:
-            o, new_state = kda_api.chunk_kda(q, k, v, g, beta, initial_state=state, **kw)  # o [B, T, H, d]
+            o, new_state = kda_api.chunk_kda(q, k, v, g, beta, initial_state=kda_api.live_state(state, live), **kw)  # o [B, T, H, d]
 
         gate = self.g_b_proj(self.g_a_proj(x_btd)).reshape(B, T, H, d)
         o = self.o_norm(o.astype(x_btd.dtype), gate).reshape(B, T, HD)

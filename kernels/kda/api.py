@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from kernels import dispatch
 from kernels.kda import reference, xla_cpu
+from kernels.kda.reference import live_state  # noqa: F401 (re-exported: layers zero fresh streams' state)
 
 # A backend registers in both tables under one name.
 _CHUNK = {"reference": reference.chunk_kda, "xla_cpu": xla_cpu.chunk_kda}
@@ -73,9 +74,13 @@ def recurrent_kda(
     *,
     scale: float,
     initial_state: jnp.ndarray | None = None,
+    live: jnp.ndarray | None = None,
     implementation: str = "reference",
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Token-by-token KDA (decode); returns (o, final_state). See the module docstring for shapes."""
+    """Token-by-token KDA (decode); returns (o, final_state). See the module docstring for shapes. live: bool [B]
+    or None: the streams whose initial_state is used (the others start from zeros, whatever it holds)."""
     _check("recurrent_kda", q, k, v, g, beta, initial_state)
-    kw = dict(scale=scale, initial_state=initial_state)
+    if live is not None and live.shape != (q.shape[0],):
+        raise ValueError(f"recurrent_kda: live must be [B={q.shape[0]}], got {live.shape}")
+    kw = dict(scale=scale, initial_state=initial_state, live=live)
     return dispatch.call("recurrent_kda", implementation, _RECURRENT, _AUTO, q, k, v, g, beta, **kw)

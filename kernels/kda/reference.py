@@ -53,6 +53,11 @@ def _einsum(spec: str, *xs: jnp.ndarray) -> jnp.ndarray:
     return jnp.einsum(spec, *xs, precision=_HI)
 
 
+def live_state(s: jnp.ndarray, live: jnp.ndarray | None) -> jnp.ndarray:
+    """The state [B, H, dk, dv] with the streams that are not `live` (bool [B]) zeroed; `s` when live is None."""
+    return s if live is None else jnp.where(live[:, None, None, None], s, 0.0)
+
+
 def _state0(initial_state: jnp.ndarray | None, shape: tuple[int, ...]) -> jnp.ndarray:
     """The starting state [B, H, dk, dv] in f32 (zeros when None)."""
     return jnp.zeros(shape, jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
@@ -188,14 +193,16 @@ def recurrent_kda(
     *,
     scale: float,
     initial_state: jnp.ndarray | None = None,
+    live: jnp.ndarray | None = None,
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Token-by-token KDA (decode; also the oracle). Shapes and dtypes as `chunk_kda`."""
+    """Token-by-token KDA (decode; also the oracle). Shapes and dtypes as `chunk_kda`; live: bool [B] or None,
+    the streams whose initial_state is used (the others start from zeros)."""
     B, T, H, dk = q.shape
     dv = v.shape[-1]
     out_dtype = v.dtype
     q, k, v, g, beta = (jnp.moveaxis(x.astype(jnp.float32), 1, 0) for x in (q, k, v, g, beta))
     q = q * scale
-    s0 = _state0(initial_state, (B, H, dk, dv))
+    s0 = live_state(_state0(initial_state, (B, H, dk, dv)), live)
 
     def step(s, xs):  # s [B, H, dk, dv]
         q_t, k_t, v_t, g_t, b_t = xs  # [B, H, dk] / [B, H, dv] / [B, H]

@@ -23,10 +23,12 @@ T = 1 (decode).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from kernels.kda import reference
+from kernels.kda import cpu_ffi, reference
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -153,15 +155,27 @@ def recurrent_kda(
     *,
     scale: float,
     initial_state: jnp.ndarray | None = None,
+    live: jnp.ndarray | None = None,
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Token-by-token KDA; the reference recurrence, without a loop for a single token (decode)."""
+    """Token-by-token KDA; the reference recurrence, without a loop for a single token (decode): on the CPU the C++
+    step of `kernels.kda.cpu_ffi` when it is available."""
     if q.shape[1] != 1:
-        return reference.recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+        return reference.recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, live=live)
     B, _, H, dk = q.shape
     dv, out_dtype = v.shape[-1], v.dtype
     q, k, v, g, beta = (x[:, 0].astype(jnp.float32) for x in (q, k, v, g, beta))  # [B, H, ...]
-    s = reference._state0(initial_state, (B, H, dk, dv)) * jnp.exp(g)[..., None]
-    delta = beta[..., None] * (v - _einsum("bhk,bhkv->bhv", k, s))
-    s = s + k[..., :, None] * delta[..., None, :]
-    o = _einsum("bhk,bhkv->bhv", q * scale, s)
+    s0 = reference._state0(initial_state, (B, H, dk, dv))
+    live_b = jnp.ones((B,), bool) if live is None else live
+
+    def xla(q, k, v, g, beta, live_b, s):
+        s = reference.live_state(s, live_b) * jnp.exp(g)[..., None]
+        delta = beta[..., None] * (v - _einsum("bhk,bhkv->bhv", k, s))
+        s = s + k[..., :, None] * delta[..., None, :]
+        return _einsum("bhk,bhkv->bhv", q * scale, s), s
+
+    args = (q, k, v, g, beta, live_b, s0)
+    if cpu_ffi.available():
+        o, s = jax.lax.platform_dependent(*args, cpu=functools.partial(cpu_ffi.step, scale=scale), default=xla)
+    else:
+        o, s = xla(*args)
     return o[:, None].astype(out_dtype), s
