@@ -165,10 +165,11 @@ def recurrent_kda(
     dv, out_dtype = v.shape[-1], v.dtype
     q, k, v, g, beta = (x[:, 0].astype(jnp.float32) for x in (q, k, v, g, beta))  # [B, H, ...]
     s0 = reference._state0(initial_state, (B, H, dk, dv))
-    live_b = jnp.ones((B,), bool) if live is None else live
+    live_b = jnp.ones((B,), bool) if live is None else live  # the kernel's operand
 
     def xla(q, k, v, g, beta, live_b, s):
-        s = reference.live_state(s, live_b) * jnp.exp(g)[..., None]
+        del live_b  # `live` itself: no select at all when it is None
+        s = reference.live_state(s, live) * jnp.exp(g)[..., None]
         delta = beta[..., None] * (v - _einsum("bhk,bhkv->bhv", k, s))
         s = s + k[..., :, None] * delta[..., None, :]
         return _einsum("bhk,bhkv->bhv", q * scale, s), s

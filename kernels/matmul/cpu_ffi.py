@@ -28,8 +28,6 @@ ENV = "GLM53_MATMUL_FFI"
 ENV_THREADS = "GLM53_MATMUL_FFI_THREADS"
 TARGET = "glm53_rowmm"
 SOURCE = Path(__file__).parent / "csrc" / "rowmm.cc"
-
-
 KERNEL = ffi_build.Kernel(SOURCE, "Glm53RowMatmul", TARGET, ENV, "CPU few-row matmul kernel")
 
 

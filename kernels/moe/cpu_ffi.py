@@ -91,6 +91,8 @@ def qmatvec(x: jax.Array, ids: jax.Array, planes: Planes, threads: int | None = 
     reason = unsupported_reason(planes)
     if reason is not None:
         raise NotImplementedError(reason)
+    if not available():  # also registers the target (a process that never asked would get NOT_FOUND)
+        raise NotImplementedError(f"qmatvec: the kernel is unavailable ({KERNEL.load() or 'disabled'})")
     n = ids.shape[0]
     if x.ndim != 3 or x.shape[0] not in (1, n) or x.shape[2] != planes.cols:
         raise ValueError(f"qmatvec: x must be [1 or {n}, T, {planes.cols}], got {tuple(x.shape)}")

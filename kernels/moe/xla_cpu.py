@@ -142,14 +142,14 @@ def moe_experts_decode(
     experts.
 
     ffi: None (default): when gate / up / down are all QuantizedExperts the C++ kernel decodes
-    (`kernels.moe.cpu_ffi`, `_by_expert`) if it is available and takes their formats, else the XLA path runs;
+    (`kernels.moe.cpu_ffi`, `_decode_ffi`) if it is available and takes their formats, else the XLA path runs;
     True: the kernel or NotImplementedError; False: the XLA path."""
     t, k = topk_ids_tk.shape
     e, d = w_gate.shape[0], x_td.shape[1]
     if t * k == 0:
         return jnp.zeros_like(x_td)
     streamed = [isinstance(w, StreamedKernel) for w in (w_gate, w_up, w_down)]
-    if any(streamed):  # decode_state's wrapping: the row-matmul kernel over the distinct experts (f32 only)
+    if any(streamed):  # decode_state's wrapping: the row-matmul kernel on the routed rows (f32 only)
         arrays = tuple(w.unwrap() if isinstance(w, StreamedKernel) else w for w in (w_gate, w_up, w_down))
         xla = functools.partial(moe_experts_decode, chunk_experts=chunk_experts, ffi=False)
         if all(streamed) and ffi is not False and streamed_usable(x_td, arrays[0], t):
@@ -162,8 +162,7 @@ def moe_experts_decode(
             args = (x_td, topk_ids_tk, topk_w_tk, w_gate, w_up, w_down, swiglu_limit)
             xla = functools.partial(moe_experts_decode, chunk_experts=chunk_experts, ffi=False)
             # a fresh partial per trace: a traced branch is cached by function, and the threads may change
-            threads = cpu_ffi.default_threads()
-            ffi_fn = functools.partial(_by_expert, mm=lambda x, ids, w: cpu_ffi.qmatvec(x, ids, w.planes, threads))
+            ffi_fn = functools.partial(_decode_ffi, threads=cpu_ffi.default_threads())
             return lax.platform_dependent(*args, cpu=ffi_fn, default=xla)
         if ffi:
             raise NotImplementedError(f"the CPU quantized-expert kernel cannot run: {reason}")
@@ -198,10 +197,9 @@ def _ffi_unsupported(ws) -> str | None:
     return None
 
 
-def _by_expert(x_td, topk_ids_tk, topk_w_tk, w_gate, w_up, w_down, swiglu_limit, *, mm):
-    """The decode form on a C++ kernel: one call `mm(x [1 or n, T, in], ids [n], w) -> f32 [n, T, out]` per
-    matrix over the distinct routed experts (ids = E for padding give zeros), x cast to f32, the SwiGLU output
-    cast to x's dtype as the reference does."""
+def _decode_ffi(x_td, topk_ids_tk, topk_w_tk, w_gate, w_up, w_down, swiglu_limit, *, threads: int):
+    """The decode form on the C++ kernel: one call per matrix over the distinct routed experts (ids = E for
+    padding give zeros), x cast to f32, the SwiGLU output cast to x's dtype as the reference does."""
     t, k = topk_ids_tk.shape
     e = w_gate.shape[0]
     uniq, _ = routing.distinct_experts(topk_ids_tk, e)  # [n], padded with E
@@ -215,10 +213,10 @@ def _by_expert(x_td, topk_ids_tk, topk_w_tk, w_gate, w_up, w_down, swiglu_limit,
         axis=1,
     )
     x = x_td.astype(jnp.float32)[None]  # [1, T, D]
-    g = mm(x, uniq, w_gate)  # [n, T, F]
-    u = mm(x, uniq, w_up)
+    g = cpu_ffi.qmatvec(x, uniq, w_gate.planes, threads)  # [n, T, F]
+    u = cpu_ffi.qmatvec(x, uniq, w_up.planes, threads)
     h = clamped_swiglu(g, u, swiglu_limit).astype(x_td.dtype).astype(jnp.float32)
-    o = mm(h, uniq, w_down)  # [n, T, D]
+    o = cpu_ffi.qmatvec(h, uniq, w_down.planes, threads)  # [n, T, D]
     y = jnp.einsum("tn,ntd->td", comb_tn, o, precision=_HIGHEST)
     return y.astype(x_td.dtype)
 
@@ -226,10 +224,11 @@ def _by_expert(x_td, topk_ids_tk, topk_w_tk, w_gate, w_up, w_down, swiglu_limit,
 def _by_slot(x_td, topk_ids_tk, topk_w_tk, w_gate, w_up, w_down, swiglu_limit):
     """The decode form of dense f32 experts on the row-matmul kernel (kernels/matmul): only the routed rows.
     The T*K slots are sorted by expert, one row each; the kernel reads each expert once per run of equal ids
-    (empty slots, id E, sort last and give zeros). Per row the same products as `_by_expert`."""
+    (empty slots, id E, sort last and give zeros)."""
     t, k = topk_ids_tk.shape
     e = w_gate.shape[0]
-    flat, order, _, _ = routing.sort_by_expert(topk_ids_tk, e)
+    flat = routing.clean_ids(topk_ids_tk, e)
+    order = jnp.argsort(flat, stable=True)
     ids = flat[order]  # [S] sorted
     tok = (order // k).astype(jnp.int32)
     w_s = jnp.where(ids < e, topk_w_tk.reshape(-1).astype(jnp.float32)[order], 0.0)
