@@ -47,6 +47,7 @@ def model_config() -> ml_collections.ConfigDict:
             index_kpool=4,  # the checkpoint's value; transformers' class default (16) is wrong for this model
             index_kpool_always_select_tail=True,
             index_norm_eps=1e-6,
+            latent_cache_dtype="int8",  # the serving layout: int8 MLA latent + one f32 scale per token
             hc_mult=4,
             hc_sinkhorn_iters=20,
             hc_eps=1e-6,

@@ -99,13 +99,26 @@ def load_model(
     raise CheckpointError(f"{weights}: neither a checkpoint folder nor a GGUF file")
 
 
+# config.model fields that say how the model runs, not what the weights are: taken from the experiment config
+# (`runtime_fields`), never compared with the weights' config.
+RUNTIME_FIELDS = ("latent_cache_dtype",)
+
+
+def runtime_fields(config) -> dict:
+    """The RUNTIME_FIELDS that `config.model` sets (an empty dict without a model section)."""
+    if config is None or "model" not in config or config.model is None:
+        return {}
+    return {k: config.model[k] for k in RUNTIME_FIELDS if k in config.model}
+
+
 def check_model_section(config, cfg: ModelConfig) -> None:
-    """ConfigError naming the first `config.model` field that differs from `cfg` (the weights' config)."""
+    """ConfigError naming the first `config.model` field that differs from `cfg` (the weights' config);
+    RUNTIME_FIELDS are not compared (they come from the experiment config)."""
     if config is None or "model" not in config or config.model is None:
         return
     mine = model_config_to_dict(model_config_from_dict(config.model))
     theirs = model_config_to_dict(cfg)
-    diff = [k for k in mine if mine[k] != theirs.get(k)]
+    diff = [k for k in mine if mine[k] != theirs.get(k) and k not in RUNTIME_FIELDS]
     if diff:
         k = diff[0]
         raise ConfigError(f"config.model.{k}={mine[k]!r}, but the weights have {k}={theirs.get(k)!r} "
@@ -195,6 +208,9 @@ def sharded_model(
             weights, experts=experts, dtype=dtype, with_mtp=with_mtp,
             abstract_fn=lambda build: S.abstract_sharded_model(build, mesh, rules), **kw,
         )  # fmt: skip
+    if "latent_cache_dtype" in runtime_fields(config):
+        model.set_latent_cache_dtype(runtime_fields(config)["latent_cache_dtype"])
+        cfg = model.cfg
     return ShardedModel(cfg, model, mesh, rules)
 
 

@@ -23,6 +23,7 @@ from glm53.layers.linear import Linear
 from glm53.layers.mtp import MTPBlock
 from glm53.layers.norm import RMSNorm
 from glm53.layers.param import param
+from glm53.quant.int8 import Int8Rows
 
 
 @struct.dataclass
@@ -40,10 +41,17 @@ class Cache:
 
 
 class Embed(nnx.Module):
+    """Token embedding: table [V, D] (vocabulary-split by the rules). The table may hold a
+    `glm53.quant.int8.Int8Rows` (int8 rows + f32 scale per row, as the memory budget stores it; the compiled
+    model's option): a lookup then gathers int8 rows and dequantizes only those."""
+
     def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.embedding = param(rngs, (vocab, dim), (dims.VOCAB, dims.EMBED), dtype, std=0.02)
 
     def __call__(self, ids: jnp.ndarray) -> jnp.ndarray:
+        w = self.embedding.get_value()
+        if isinstance(w, Int8Rows):
+            return w.take(ids)
         return jnp.take(self.embedding[...], ids, axis=0)
 
 
@@ -90,6 +98,14 @@ class Glm53Model(nnx.Module):
         self.mtp = nnx.data(mtp)
 
     # ------------------------------------------------------------------------------------------------ caches
+    def set_latent_cache_dtype(self, value: str) -> None:
+        """Switches how every DSA cache stores its latent (`ModelConfig.latent_cache_dtype`, a serving layout,
+        not part of the weights): the config of the model and of each of its modules is replaced."""
+        cfg = self.cfg.replace(latent_cache_dtype=value)  # validated: a ConfigError names the field
+        for _, m in self.iter_modules():
+            if isinstance(getattr(m, "cfg", None), ModelConfig):
+                m.cfg = cfg
+
     def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
         """An empty cache for `batch` streams of up to `max_len` tokens each."""
         dtype = dtype or self.dtype

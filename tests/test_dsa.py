@@ -242,7 +242,7 @@ def test_piecewise_prefill_matches_one_shot(env):
     print(f"prefill 29+40+11 vs one-shot rel {r:.2e}")
     assert r <= TOL
     np.testing.assert_array_equal(np.concatenate(sels, axis=1), sel0)
-    for name in ("latent", "index_k", "index_gate", "pooled"):
+    for name in ("latent", "recent_k", "recent_gate", "pooled"):
         np.testing.assert_allclose(getattr(cache, name), getattr(full_cache, name), rtol=1e-5, atol=1e-6)
 
 

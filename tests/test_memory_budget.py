@@ -246,10 +246,11 @@ def _cache_bytes(c: ModelConfig, context: int, dtype) -> int:
 
 @pytest.mark.parametrize("which,context", [("tiny", 37), ("release", 262144)])
 def test_context_set_matches_the_model_cache_pytree(cfg, which, context):
-    """On one device, the 'full' bf16 layout is exactly the bytes of Glm53Model.init_cache (the length vector
+    """On one device, the 'pooled' bf16 layout is exactly the bytes of Glm53Model.init_cache (the length vector
     aside)."""
     c = cfg if which == "release" else TINY
-    lay = CacheLayout(latent="bf16", indexer="full", index_dtype="bf16", conv_dtype="bf16")
+    lat = "int8" if c.latent_cache_dtype == "int8" else "bf16"  # the release config stores the latent int8
+    lay = CacheLayout(latent=lat, indexer="pooled", index_dtype="bf16", conv_dtype="bf16")
     ours = sum(context_set_bytes(c, context, 1, lay).values())
     assert ours == _cache_bytes(c, context, jnp.bfloat16)
 
@@ -261,9 +262,10 @@ def test_context_set_per_device_reproduces_prior_art(cfg, budget):
     assert ctx["mla_latent"] == 11 * (262144 // 8) * (512 + 4)
     assert ctx["indexer_pooled_keys"] == 11 * (262144 // 4 // 8) * 128 * 2
     # Sharding: one device holds 1/8 of the one-device figure (all dimensions divide evenly here), except
-    # the open pool's keys/gates (4 tokens x (key + gate) x 128 x bf16 x 11 layers) that every device keeps.
+    # the indexer ring's keys/gates that every device keeps: the last 2 * kpool = 8 tokens x (key + gate) x 128 x
+    # bf16 x 11 layers (the open pool's members, and the previous pool's for a rolled-back draft).
     one = sum(context_set_bytes(cfg, 262144, 1).values())
-    open_pool = 11 * 4 * 2 * 128 * 2
+    open_pool = 11 * 8 * 2 * 128 * 2
     assert ctx["indexer_keys_gates"] == open_pool
     assert one // 8 + open_pool * 7 // 8 == budget["context_set_bytes_per_device"]
     # Per-token keys and gates at full length would not fit the prior art's 0.23 GB.

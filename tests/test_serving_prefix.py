@@ -49,15 +49,15 @@ def setup():
 
 
 def _sizes(cfg):
-    """Bytes of one block's rows and of one state snapshot, from the config (f32 everywhere)."""
+    """Bytes of one block's rows and of one state snapshot, from the config (f32 everywhere): rows = the block's
+    latent rows and pooled keys; state = KDA conv + recurrent states and every DSA cache's indexer ring
+    (2 * kpool keys and gates)."""
     n_dsa = cfg.layer_types.count("dsa")
-    rows = n_dsa * (
-        K * (cfg.kv_lora_rank + 2 * cfg.index_head_dim) + K // cfg.index_kpool * cfg.index_head_dim
-    )
+    rows = n_dsa * (K * cfg.kv_lora_rank + K // cfg.index_kpool * cfg.index_head_dim)
     hd = cfg.linear_num_heads * cfg.linear_head_dim
     state = (len(cfg.layer_types) - n_dsa) * (
         (cfg.linear_conv_kernel_dim - 1) * 3 * hd + hd * cfg.linear_head_dim
-    )
+    ) + n_dsa * 2 * (2 * cfg.index_kpool) * cfg.index_head_dim
     return 4 * rows, 4 * state
 
 

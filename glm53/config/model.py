@@ -16,6 +16,7 @@ from glm53.config.fields import from_dict
 ATTN_KINDS = ("kda", "dsa")
 MLP_KINDS = ("dense", "moe")
 INDEXER_KINDS = ("full", "shared")
+LATENT_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,10 @@ class ModelConfig:
     index_kpool: int = 4
     index_kpool_always_select_tail: bool = True
     index_norm_eps: float = 1e-6  # indexer k_norm LayerNorm eps
+    # How the DSA caches store the MLA latent (not part of the checkpoint): "auto" = the dtype init_cache is
+    # given (the exact layouts parity is tested with), "float32" / "bfloat16", or "int8" with one f32 absmax
+    # scale per cached token (lossy; the release config's serving layout).
+    latent_cache_dtype: str = "auto"
 
     # mHC.
     hc_mult: int = 4
@@ -160,6 +165,7 @@ _TYPE_CHECKS = {
     "int | None": lambda v: v is None or _is_int(v),
     "float": lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v),
     "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
     "tuple[int, ...]": lambda v: isinstance(v, tuple) and all(_is_int(x) for x in v),
     "tuple[str, ...]": lambda v: isinstance(v, tuple) and all(isinstance(x, str) for x in v),
     "VisionConfig | None": lambda v: v is None or isinstance(v, VisionConfig),
@@ -238,6 +244,8 @@ def validate(c: ModelConfig) -> ModelConfig:
         raise _err("topk_group", f"must be in [1, n_group={c.n_group}], got {c.topk_group}")
     if c.index_topk % c.index_kpool:
         raise _err("index_topk", f"{c.index_topk} is not divisible by index_kpool {c.index_kpool}")
+    if c.latent_cache_dtype not in LATENT_CACHE_DTYPES:
+        raise _err("latent_cache_dtype", f"{c.latent_cache_dtype!r} is not one of {list(LATENT_CACHE_DTYPES)}")
     if c.tie_word_embeddings:
         raise _err("tie_word_embeddings", "GLM-5.3 has an untied lm_head; tied embeddings are not supported")
     if c.swiglu_limit <= 0:

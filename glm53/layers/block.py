@@ -44,7 +44,7 @@ class DecoderLayer(nnx.Module):
                 rngs=rngs,
                 dtype=dtype,
                 layer_idx=layer_idx,
-                implementation=kernels.get("sparse_mla", "reference"),
+                implementation=kernels.get("sparse_mla", dispatch.AUTO),
             )
         self.ffn_hc = HyperConnection(cfg, rngs=rngs, dtype=dtype, implementation=hc_impl)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, rngs=rngs, dtype=dtype)

@@ -22,7 +22,8 @@ from flax import nnx, struct
 
 from glm53 import dims
 from glm53.config import ModelConfig
-from glm53.layers.indexer import Indexer, write_at
+from glm53.layers.indexer import Indexer, recent_rows, write_at
+from glm53.quant.int8 import dequantize_rows, quantize_rows
 from glm53.layers.linear import Linear
 from glm53.layers.norm import RMSNorm
 from kernels.sparse_mla import api as sparse_mla_api
@@ -32,16 +33,20 @@ ATTN_FORMS = ("absorbed", "expanded")
 
 @struct.dataclass
 class DSACache:
-    """Per-layer DSA decode state; S = max_len rounded up to a multiple of index_kpool.
+    """Per-layer DSA decode state; S = max_len rounded up to a multiple of index_kpool, W = 2 * index_kpool.
 
-    latent [B, S, kv_lora] (normalized c), index_k [B, S, index_head_dim] (after k_norm),
-    index_gate [B, S, index_head_dim], pooled [B, S / kpool, index_head_dim]. A layer without its own indexer
-    ("shared") may hold zero-row index arrays (``init_cache(..., with_indexer=False)``).
+    latent [B, S, kv_lora] (normalized c; float, or int8 with latent_scale [B, S] f32: one absmax scale per
+    token; the config's ``latent_cache_dtype``), latent_scale [B, 0] when the latent is float;
+    recent_k / recent_gate [B, W, index_head_dim]: the indexer key (after k_norm) and pooling gate of the last W
+    positions (a ring, slot = position mod W; `indexer.recent_rows`); pooled [B, S / kpool, index_head_dim]:
+    one pooled key per pool. A layer without its own indexer ("shared") holds zero-row index arrays
+    (``init_cache(..., with_indexer=False)``).
     """
 
     latent: jnp.ndarray
-    index_k: jnp.ndarray
-    index_gate: jnp.ndarray
+    latent_scale: jnp.ndarray
+    recent_k: jnp.ndarray
+    recent_gate: jnp.ndarray
     pooled: jnp.ndarray
 
     @property
@@ -49,22 +54,56 @@ class DSACache:
         return self.latent.shape[1]
 
 
+def latent_dtype(cfg: ModelConfig, dtype) -> jnp.dtype:
+    """The dtype the latent cache is stored in: the config's ``latent_cache_dtype``, "auto" = `dtype`."""
+    return jnp.dtype(dtype if cfg.latent_cache_dtype == "auto" else cfg.latent_cache_dtype)
+
+
 def init_cache(
     cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, *, with_indexer: bool = True
 ) -> DSACache:
-    """An empty DSA cache for `batch` streams of up to `max_len` tokens (rounded up to a multiple of kpool)."""
+    """An empty DSA cache for `batch` streams of up to `max_len` tokens (rounded up to a multiple of kpool);
+    `dtype` for the indexer rows (and the latent when ``latent_cache_dtype`` is "auto")."""
     if batch < 1 or max_len < 1:
         raise ValueError(f"DSA init_cache: batch and max_len must be >= 1, got {batch}, {max_len}")
     kp = cfg.index_kpool
     s = -(-max_len // kp) * kp
-    si = s if with_indexer else 0
     c = cfg.index_head_dim
+    w = recent_rows(kp) if with_indexer else 0
+    lat = latent_dtype(cfg, dtype)
     return DSACache(
-        latent=jnp.zeros((batch, s, cfg.kv_lora_rank), dtype),
-        index_k=jnp.zeros((batch, si, c), dtype),
-        index_gate=jnp.zeros((batch, si, c), dtype),
-        pooled=jnp.zeros((batch, si // kp, c), dtype),
+        latent=jnp.zeros((batch, s, cfg.kv_lora_rank), lat),
+        latent_scale=jnp.ones((batch, s if lat == jnp.int8 else 0), jnp.float32),
+        recent_k=jnp.zeros((batch, w, c), dtype),
+        recent_gate=jnp.zeros((batch, w, c), dtype),
+        pooled=jnp.zeros((batch, s // kp if with_indexer else 0, c), dtype),
     )
+
+
+def check_cache(cfg: ModelConfig, cache: DSACache, what: str, *, with_indexer: bool = True) -> None:
+    """ValueError naming the tensor when `cache` is not of this config's layout (e.g. a cache of another
+    ``latent_cache_dtype`` or an older per-token indexer layout restored into this model)."""
+    lat, want = cache.latent.dtype, cfg.latent_cache_dtype
+    b, s = cache.latent.shape[:2]
+    if (want == "int8") != (lat == jnp.int8) or (want not in ("auto", "int8") and lat != jnp.dtype(want)):
+        raise ValueError(
+            f"{what}: latent is stored as {lat} but the config's latent_cache_dtype is {want!r} "
+            "(a cache of another layout; build it with this model's init_cache)"
+        )
+    scale_rows = s if lat == jnp.int8 else 0
+    if cache.latent_scale.shape != (b, scale_rows):
+        raise ValueError(f"{what}: latent_scale has shape {cache.latent_scale.shape}, expected {(b, scale_rows)}")
+    kp = cfg.index_kpool
+    w, p = (recent_rows(kp), s // kp) if with_indexer else (0, 0)
+    for name in ("recent_k", "recent_gate"):
+        rows = getattr(cache, name).shape[1]
+        if rows != w:
+            raise ValueError(
+                f"{what}: {name} has {rows} rows; this layout keeps the last 2*index_kpool = {w} positions "
+                "(a cache of another layout?)"
+            )
+    if cache.pooled.shape[1] != p:
+        raise ValueError(f"{what}: pooled has {cache.pooled.shape[1]} rows, expected {p} (max_len {s} / kpool)")
 
 
 def is_shared_indexer(cfg: ModelConfig, layer_idx: int | None) -> bool:
@@ -87,7 +126,7 @@ class DSA(nnx.Module):
         dtype=jnp.float32,
         layer_idx: int | None = None,
         attn_form: str = "absorbed",
-        implementation: str = "reference",
+        implementation: str = "auto",
     ):
         if attn_form not in ATTN_FORMS:
             raise ValueError(f"DSA: attn_form must be one of {ATTN_FORMS}, got {attn_form!r}")
@@ -151,6 +190,7 @@ class DSA(nnx.Module):
             raise ValueError(
                 f"DSA layer {self.layer_idx}: cache batch {cache.latent.shape[0]} != input batch {b}"
             )
+        check_cache(self.cfg, cache, f"DSA layer {self.layer_idx} cache", with_indexer=not self.shared_indexer)
         if t > cache.max_len:
             raise ValueError(
                 f"DSA layer {self.layer_idx}: {t} new tokens exceed the cache length {cache.max_len}"
@@ -159,7 +199,12 @@ class DSA(nnx.Module):
         q_res = self.q_a_layernorm(self.q_a_proj(x_btd))  # [B, T, q_lora]
         q_bthc = self.q_b_proj(q_res).reshape(b, t, self.num_heads, self.nope)
         c_btr = self.kv_a_layernorm(self.kv_a_proj(x_btd))
-        latent = write_at(cache.latent, c_btr, start_b)  # [B, S, R]
+        if cache.latent.dtype == jnp.int8:
+            c_q, c_scale = quantize_rows(c_btr)
+            latent, latent_scale = write_at(cache.latent, c_q, start_b), write_at(cache.latent_scale, c_scale, start_b)
+        else:
+            latent, latent_scale = write_at(cache.latent, c_btr, start_b), cache.latent_scale  # [B, S, R]
+        scale_bs = latent_scale if cache.latent.dtype == jnp.int8 else None
 
         if self.shared_indexer:
             if selection is None:
@@ -172,12 +217,12 @@ class DSA(nnx.Module):
                     f"DSA layer {self.layer_idx}: selection must be pool ids [B={b}, T={t}, K], "
                     f"got shape {selection.shape}"
                 )
-            pool_ids, index_state = selection, (cache.index_k, cache.index_gate, cache.pooled)
+            pool_ids, index_state = selection, (cache.recent_k, cache.recent_gate, cache.pooled)
         else:
             pool_ids, index_state = self.indexer(
-                x_btd, q_res, cache.index_k, cache.index_gate, cache.pooled, start_b
+                x_btd, q_res, cache.recent_k, cache.recent_gate, cache.pooled, start_b
             )
-        new_cache = DSACache(latent, *index_state)
+        new_cache = DSACache(latent, latent_scale, *index_state)
 
         q_pos_bt = start_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         kw = dict(
@@ -187,12 +232,13 @@ class DSA(nnx.Module):
             implementation=self.implementation,
         )
         w_uk, w_uv = self._w_uk_uv(x_btd.dtype)
-        lat_bsr = latent.astype(x_btd.dtype)
         if self.attn_form == "absorbed" or t == 1:
             q_hat = jnp.einsum("bthc,rhc->bthr", q_bthc, w_uk)  # [B, T, H, R]
-            c_hat = sparse_mla_api.sparse_mla(q_hat, lat_bsr, pool_ids, q_pos_bt, **kw)  # [B, T, H, R]
+            # the kernel reads the stored latent (rows cast to q's dtype; an int8 latent dequantized per row)
+            c_hat = sparse_mla_api.sparse_mla(q_hat, latent, pool_ids, q_pos_bt, latent_scale_bs=scale_bs, **kw)
             o_bthe = jnp.einsum("bthr,rhe->bthe", c_hat, w_uv)
         else:
+            lat_bsr = dequantize_rows(latent, scale_bs, x_btd.dtype)
             k_bshc = jnp.einsum("bsr,rhc->bshc", lat_bsr, w_uk)
             v_bshe = jnp.einsum("bsr,rhe->bshe", lat_bsr, w_uv)
             o_bthe = sparse_mla_api.sparse_mha(q_bthc, k_bshc, v_bshe, pool_ids, q_pos_bt, **kw)

@@ -16,8 +16,10 @@ Ties: among equal scores the pool with the LOWER index wins (``jax.lax.top_k`` o
 only occur between pools whose every head score is clipped to 0 by the relu; torch.topk / ggml may break such
 ties differently.
 
-All state lives in the DSA cache (dsa.DSACache: index_k, index_gate, pooled), so prefill in pieces and decode
-select exactly what one-shot prefill selects.
+All state lives in the DSA cache (dsa.DSACache): the pooled key of every pool, and the per-token keys and gates
+of the last 2 * kpool positions only (a ring, `recent_rows`: what later steps read, the open pool's members),
+so prefill in pieces and decode select exactly what one-shot prefill selects. Pools are scored in blocks with a
+running top-k (`select_pools_blocked`), so the temporaries do not grow with context x queries.
 """
 
 from __future__ import annotations
@@ -52,32 +54,57 @@ def pool_keys(k_bpjc: jnp.ndarray, gate_bpjc: jnp.ndarray, ape_jc: jnp.ndarray) 
     return jnp.sum(p * k_bpjc.astype(jnp.float32), axis=2)
 
 
-def update_pooled(
+def recent_rows(kpool: int) -> int:
+    """Rows of the per-token key / gate ring: the last 2 * kpool positions (slot = position mod 2 * kpool).
+
+    Later steps read only the members of the open (incomplete) pool; the second pool's worth keeps them alive
+    when a step writes tokens that are then rolled back (a rejected speculative draft may cross a pool
+    boundary: up to kpool + 1 rejected tokens leave the open pool's accepted members in the ring)."""
+    return 2 * kpool
+
+
+def append_tokens(
+    recent_k_bwc: jnp.ndarray,
+    recent_gate_bwc: jnp.ndarray,
     pooled_bpc: jnp.ndarray,
-    index_k_bsc: jnp.ndarray,
-    index_gate_bsc: jnp.ndarray,
+    k_btc: jnp.ndarray,
+    gate_btc: jnp.ndarray,
     start_b: jnp.ndarray,
-    num_new: int,
     ape_jc: jnp.ndarray,
-) -> jnp.ndarray:
-    """Recomputes the pooled keys of every pool touched by tokens start_b .. start_b+num_new-1.
+) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    """Appends T tokens at positions start_b .. start_b+T-1: (recent_k, recent_gate, pooled) updated.
 
-    Pools that are still incomplete get a value too, but are never candidates; they are recomputed by the call
-    that completes them, so stale cache rows beyond the stream's length never leak into a selection.
+    Every pool the tokens touch gets its pooled key recomputed from its members: the open pool's earlier members
+    come from the ring, the rest are the new tokens (cast to the cache dtype first, as if read back from a
+    per-token cache). Pools that are still incomplete get a value too, but are never candidates; the call that
+    completes them recomputes them, so rows of rolled-back or stale positions never reach a selection. Pools
+    past the cache's end are dropped.
     """
-    kpool = ape_jc.shape[0]
-    num_pools, c = pooled_bpc.shape[1], pooled_bpc.shape[2]
-    # Pools touched by num_new consecutive tokens starting anywhere: at most ceil((num_new-1)/kpool) + 1.
-    n = min(num_pools, (num_new - 1 + kpool - 1) // kpool + 1)
-    p0_b = jnp.clip(start_b // kpool, 0, num_pools - n)  # clipping only re-pools earlier complete pools
+    kpool, c = ape_jc.shape
+    w = recent_k_bwc.shape[1]
+    t = k_btc.shape[1]
+    n = (kpool - 1 + t + kpool - 1) // kpool  # pools touched by T tokens starting anywhere in a pool
+    dtype = recent_k_bwc.dtype
 
-    def one(pooled_pc, k_sc, g_sc, p0):
-        k_njc = jax.lax.dynamic_slice_in_dim(k_sc, p0 * kpool, n * kpool, axis=0).reshape(n, kpool, c)
-        g_njc = jax.lax.dynamic_slice_in_dim(g_sc, p0 * kpool, n * kpool, axis=0).reshape(n, kpool, c)
-        new_nc = pool_keys(k_njc[None], g_njc[None], ape_jc)[0]
-        return jax.lax.dynamic_update_slice_in_dim(pooled_pc, new_nc.astype(pooled_pc.dtype), p0, axis=0)
+    def one(rk_wc, rg_wc, pooled_pc, k_tc, g_tc, s):
+        a0 = (s // kpool) * kpool  # first position of the pool holding position s
+        k_tc, g_tc = k_tc.astype(dtype), g_tc.astype(dtype)
+        slots = (a0 + jnp.arange(kpool)) % w
 
-    return jax.vmap(one)(pooled_bpc, index_k_bsc, index_gate_bsc, p0_b)
+        def members(ring_wc, new_tc):  # positions a0 .. a0 + n*kpool - 1: ring rows before s, then the new ones
+            buf = jnp.zeros((n * kpool, c), dtype).at[:kpool].set(ring_wc[slots])
+            return jax.lax.dynamic_update_slice_in_dim(buf, new_tc, s - a0, axis=0).reshape(n, kpool, c)
+
+        new_nc = pool_keys(members(rk_wc, k_tc)[None], members(rg_wc, g_tc)[None], ape_jc)[0]
+        pooled_pc = pooled_pc.at[s // kpool + jnp.arange(n)].set(new_nc.astype(pooled_pc.dtype), mode="drop")
+        # ring slot i: the latest position P <= s+T-1 with P = i (mod w); from the new tokens when P >= s
+        end = s + t - 1
+        j = end - (end - jnp.arange(w)) % w - s
+        take = (j >= 0)[:, None]
+        jj = jnp.clip(j, 0, t - 1)
+        return jnp.where(take, k_tc[jj], rk_wc), jnp.where(take, g_tc[jj], rg_wc), pooled_pc
+
+    return jax.vmap(one)(recent_k_bwc, recent_gate_bwc, pooled_bpc, k_btc, gate_btc, start_b)
 
 
 def pool_scores(iq_bthc: jnp.ndarray, w_bth: jnp.ndarray, pooled_bpc: jnp.ndarray) -> jnp.ndarray:
@@ -108,6 +135,61 @@ def select_pools(
     _, ids = jax.lax.top_k(masked, num_select)
     ok = jnp.take_along_axis(cand_btp, ids, axis=-1)
     return jnp.where(ok, ids, -1).astype(jnp.int32)
+
+
+def block_pools(num_pools: int, num_queries: int, n_heads: int, budget: int = 1 << 24) -> int:
+    """Pools scored per block: the [B, T, H, block] f32 head scores stay under `budget` elements per stream
+    (64 MiB), at least 512 pools, at most all of them."""
+    return max(1, min(num_pools, max(512, budget // max(1, num_queries * n_heads))))
+
+
+def select_pools_blocked(
+    iq_bthc: jnp.ndarray,
+    w_bth: jnp.ndarray,
+    pooled_bpc: jnp.ndarray,
+    q_pos_bt: jnp.ndarray,
+    *,
+    kpool: int,
+    num_select: int,
+    block: int | None = None,
+    pool_offset: int | jnp.ndarray = 0,
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """`select_pools(pool_scores(...))` scored in blocks of pools with a running top-k: the temporaries are
+    [B, T, H, block], not [B, T, H, P]. Returns (scores f32 [B, T, k], pool ids int32 [B, T, k]) with
+    k = min(num_select, P), ids -1 (score -inf) where there is no candidate.
+
+    The same selection as the one-shot form, tie rule included: the running best (sorted by score, ties by lower
+    id) is placed before each block (ascending ids, all higher), and `lax.top_k` keeps the earlier of equal values.
+    `pool_offset`: the global id of pooled row 0 (a sequence shard's first pool).
+    """
+    b, t = q_pos_bt.shape
+    num_pools = pooled_bpc.shape[1]
+    k = min(num_select, num_pools)
+    block = block_pools(num_pools, t, iq_bthc.shape[2]) if block is None else min(block, num_pools)
+    nb = -(-num_pools // block)
+    pooled = jnp.pad(pooled_bpc, [(0, 0), (0, nb * block - num_pools), (0, 0)])
+    limit_bt = (q_pos_bt + 1) // kpool  # candidates: global id < limit
+
+    def step(carry, i):
+        best_s, best_id = carry
+        blk = jax.lax.dynamic_slice_in_dim(pooled, i * block, block, axis=1)
+        s = pool_scores(iq_bthc, w_bth, blk)  # [B, T, block]
+        local = i * block + jnp.arange(block)
+        gid = pool_offset + local
+        cand = (gid[None, None, :] < limit_bt[:, :, None]) & (local < num_pools)[None, None, :]
+        s = jnp.where(cand, s, -jnp.inf)
+        ids = jnp.where(cand, gid, -1).astype(jnp.int32)
+        all_s = jnp.concatenate([best_s, s], axis=-1)
+        all_id = jnp.concatenate([best_id, jnp.broadcast_to(ids, s.shape)], axis=-1)
+        top_s, pos = jax.lax.top_k(all_s, k)
+        return (top_s, jnp.take_along_axis(all_id, pos, axis=-1)), None
+
+    init = (jnp.full((b, t, k), -jnp.inf, jnp.float32), jnp.full((b, t, k), -1, jnp.int32))
+    if nb == 1:
+        (s, ids), _ = step(init, 0)
+    else:
+        (s, ids), _ = jax.lax.scan(step, init, jnp.arange(nb))
+    return s, jnp.where(jnp.isneginf(s), -1, ids)
 
 
 class Indexer(nnx.Module):
@@ -142,8 +224,8 @@ class Indexer(nnx.Module):
         self,
         x_btd: jnp.ndarray,
         q_res_btr: jnp.ndarray,
-        index_k_bsc: jnp.ndarray,
-        index_gate_bsc: jnp.ndarray,
+        recent_k_bwc: jnp.ndarray,
+        recent_gate_bwc: jnp.ndarray,
         pooled_bpc: jnp.ndarray,
         start_b: jnp.ndarray,
     ) -> tuple[jnp.ndarray, tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]]:
@@ -151,30 +233,28 @@ class Indexer(nnx.Module):
 
         Args:
           x_btd: the layer input u (after input_layernorm) [B, T, D]; q_res_btr: RMSNorm(q_a(u)) [B, T, q_lora].
-          index_k_bsc, index_gate_bsc [B, S, C], pooled_bpc [B, S/kpool, C]: this layer's indexer cache.
+          recent_k_bwc, recent_gate_bwc [B, 2*kpool, C] (the ring of `recent_rows`), pooled_bpc [B, P, C]: this
+            layer's indexer cache.
           start_b: int32 [B], position of token 0 of each stream.
         Returns:
-          pool_ids int32 [B, T, min(topk/kpool, S/kpool)] (-1 = empty), and the updated (index_k, index_gate, pooled).
+          pool_ids int32 [B, T, min(topk/kpool, P)] (-1 = empty), and the updated (recent_k, recent_gate, pooled).
         """
         b, t, _ = x_btd.shape
-        s = index_k_bsc.shape[1]
-        if s % self.kpool or pooled_bpc.shape[1] != s // self.kpool:
+        w = recent_rows(self.kpool)
+        if recent_k_bwc.shape[1] != w or recent_gate_bwc.shape[1] != w:
             raise ValueError(
-                f"Indexer: cache index_k has {s} rows and pooled {pooled_bpc.shape[1]}; need a multiple of "
-                f"index_kpool={self.kpool} and pooled rows = rows / kpool"
+                f"Indexer: the cache's recent_k / recent_gate have {recent_k_bwc.shape[1]} / "
+                f"{recent_gate_bwc.shape[1]} rows; this layout keeps the last 2*index_kpool = {w} positions "
+                "(a cache of another layout?)"
             )
         k, gate = self.token_state(x_btd)
-        index_k_bsc = write_at(index_k_bsc, k, start_b)
-        index_gate_bsc = write_at(index_gate_bsc, gate, start_b)
-        pooled_bpc = update_pooled(
-            pooled_bpc, index_k_bsc, index_gate_bsc, start_b, t, self.compress_ape[...]
+        recent_k_bwc, recent_gate_bwc, pooled_bpc = append_tokens(
+            recent_k_bwc, recent_gate_bwc, pooled_bpc, k, gate, start_b, self.compress_ape[...]
         )
-
         iq_bthc = self.wq_b(q_res_btr).reshape(b, t, self.n_heads, self.head_dim)
         w_bth = self.weights_proj(x_btd).astype(jnp.float32) * self.n_heads**-0.5
-        scores = pool_scores(iq_bthc, w_bth, pooled_bpc)
         q_pos_bt = start_b[:, None] + jnp.arange(t, dtype=start_b.dtype)[None, :]
-        ids = select_pools(
-            scores, q_pos_bt, kpool=self.kpool, num_select=self.num_select(pooled_bpc.shape[1])
+        _, ids = select_pools_blocked(
+            iq_bthc, w_bth, pooled_bpc, q_pos_bt, kpool=self.kpool, num_select=self.num_select(pooled_bpc.shape[1])
         )
-        return ids, (index_k_bsc, index_gate_bsc, pooled_bpc)
+        return ids, (recent_k_bwc, recent_gate_bwc, pooled_bpc)

@@ -29,7 +29,7 @@ class MTPBlock(nnx.Module):
         self.eh_proj = Linear(2 * d, d, (None, dims.EMBED), rngs=rngs, dtype=dtype)
         self.input_layernorm = RMSNorm(d, eps, rngs=rngs, dtype=dtype)
         self.self_attn = dsa_lib.DSA(
-            cfg, rngs=rngs, dtype=dtype, layer_idx=None, implementation=kernels.get("sparse_mla", "reference")
+            cfg, rngs=rngs, dtype=dtype, layer_idx=None, implementation=kernels.get("sparse_mla", "auto")
         )
         self.post_attention_layernorm = RMSNorm(d, eps, rngs=rngs, dtype=dtype)
         self.mlp = MoE(

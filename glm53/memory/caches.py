@@ -20,9 +20,9 @@ class CacheLayout:
     """Cache storage of one context set (one stream).
 
     latent: "int8" (512 int8 + one f32 absmax scale per token, the prior art) or "bf16".
-    indexer: "pooled" (one pooled key per completed pool + the per-token key/gate of the open pool only, on
-      every device: what a 262k set of 0.23 GB/device implies) or "full" (per-token key and gate for every
-      position as well, the layout of glm53/layers/dsa.py DSACache).
+    indexer: "pooled" (one pooled key per pool + the per-token key / gate of the last 2 * kpool positions only,
+      on every device: the layout of glm53/layers/dsa.py DSACache) or "full" (a per-token key and gate for
+      every position as well: the model's layout before the serving caches).
     """
 
     latent: str = "int8"
@@ -76,10 +76,11 @@ def context_set_bytes(
         elif isinstance(c, DSACache):
             out["mla_latent"] += s.latent.shard_shape(c.latent.shape)[1] * latent_row
             out["indexer_pooled_keys"] += held(c.pooled, s.pooled) * ib
-            if layout.indexer == "full":
-                out["indexer_keys_gates"] += (
-                    held(c.index_k, s.index_k) + held(c.index_gate, s.index_gate)
-                ) * ib
-            elif c.index_k.shape[1]:  # the open pool's members, whole on every device
-                out["indexer_keys_gates"] += cfg.index_kpool * 2 * cfg.index_head_dim * ib
+            if not c.recent_k.shape[1]:  # a layer sharing its indexer holds no indexer rows
+                continue
+            if layout.indexer == "full":  # a key and a gate for every position, split like the latent
+                rows = s.latent.shard_shape(c.latent.shape)[1]
+                out["indexer_keys_gates"] += rows * 2 * cfg.index_head_dim * ib
+            else:  # the model's ring of the last 2 * kpool positions, whole on every device
+                out["indexer_keys_gates"] += (held(c.recent_k, s.recent_k) + held(c.recent_gate, s.recent_gate)) * ib
     return out

@@ -127,13 +127,21 @@ def cache_shardings(cache, mesh: Mesh, rules: str | Rules):
                 conv_state=sh((BATCH, None, CONV_CHANNELS), c.conv_state, f"KDA cache {i} conv_state"),
                 state=sh((BATCH, dims.KDA_HEADS, None, None), c.state, f"KDA cache {i} state"),
             )
-        if isinstance(
-            c, DSACache
-        ):  # latent [B, S, R], index_k / index_gate [B, S, C], pooled [B, S/kpool, C]
+        if isinstance(c, DSACache):  # latent [B, S, R], latent_scale [B, S | 0], recent [B, W, C], pooled [B, P, C]
+            n_seq = axis_size(mesh, rules.mesh_axes(CACHE_SEQ), "DSA cache")
+            n_pools = axis_size(mesh, rules.mesh_axes(CACHE_POOLS), "DSA cache")
+            if c.pooled.shape[1] and (c.pooled.shape[1] % max(n_seq, n_pools) or n_seq not in (1, n_pools)):
+                raise ShardingError(
+                    f"DSA cache {i}: {c.pooled.shape[1]} pools of {c.latent.shape[1] // c.pooled.shape[1]} "
+                    f"tokens do not split over {n_seq} x {n_pools} devices (cache_seq / cache_pools of rule set "
+                    f"{rules.name!r}): each device holds whole pools; round the context up to a multiple of "
+                    f"{max(n_seq, n_pools) * (c.latent.shape[1] // c.pooled.shape[1])} tokens"
+                )
             return DSACache(
                 latent=sh((BATCH, CACHE_SEQ, None), c.latent, f"DSA cache {i} latent"),
-                index_k=sh((BATCH, CACHE_SEQ, None), c.index_k, f"DSA cache {i} index_k"),
-                index_gate=sh((BATCH, CACHE_SEQ, None), c.index_gate, f"DSA cache {i} index_gate"),
+                latent_scale=sh((BATCH, CACHE_SEQ), c.latent_scale, f"DSA cache {i} latent_scale"),
+                recent_k=sh((BATCH, None, None), c.recent_k, f"DSA cache {i} recent_k"),
+                recent_gate=sh((BATCH, None, None), c.recent_gate, f"DSA cache {i} recent_gate"),
                 pooled=sh((BATCH, CACHE_POOLS, None), c.pooled, f"DSA cache {i} pooled"),
             )
         raise ShardingError(f"cache layer {i}: unknown cache type {type(c).__name__}")

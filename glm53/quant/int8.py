@@ -63,3 +63,23 @@ def quantize_int8(w: np.ndarray, dtype=None) -> Int8Weight:
     scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
     values = np.clip(np.rint(w32 / scale[..., None, :]), -127, 127).astype(np.int8)
     return Int8Weight(values, scale, np.dtype(w.dtype if dtype is None else dtype))
+
+
+# ----------------------------------------------------------------------------------- cached rows (the MLA latent)
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 per row (traced): x [..., R] -> (values int8 [..., R], scale f32 [...]).
+
+    scale = max |x| / 127 over the row (1 for an all-zero row), values = round(x / scale) in [-127, 127]: the
+    MLA latent cache's int8 layout (one scale per cached token)."""
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    values = jnp.clip(jnp.round(x32 / scale[..., None]), -127, 127).astype(jnp.int8)
+    return values, scale
+
+
+def dequantize_rows(values: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
+    """values [..., R] (int8 with scale [...], or already floating with scale None) as `dtype`."""
+    if scale is None:
+        return values.astype(dtype)
+    return (values.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]).astype(dtype)

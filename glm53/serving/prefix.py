@@ -5,13 +5,15 @@ chain hash (the hash of the previous block's name and the block's tokens, as vLL
 prefixes. Two kinds of snapshot are taken from the batch-1 staging cache while a prompt is prefilled, after
 each chunk (`chunk_plan(..., block=K)` below makes the chunks over whole blocks start and end on boundaries):
 
-  * rows, once per block: the block's positions of every DSA layer's MLA latent, indexer keys and gates and
-    pooled keys (its pools are complete), and of the MTP block's cache when speculative decoding keeps it. The
+  * rows, once per block: the block's positions of every DSA layer's MLA latent (and its per-token scales when
+    int8) and pooled keys (its pools are complete), and of the MTP block's cache when speculative decoding keeps it. The
     MTP row of position p pairs h_p with token p+1, so a block's MTP rows are taken one position (and one pool)
     earlier: positions iK-1 .. iK+K-2 depend on the block's prefix only (the first block's are clamped to 0..K-1
     and the next block overwrites its last row; the last restored block's last row is redone by the prefill);
-  * state, at a chunk's end on a boundary: every KDA layer's conv and recurrent state there (small: O(1) in the
-    length), plus the trunk's last hidden state (the MTP block pairs it with the next prompt token). The KDA
+  * state, at a chunk's end on a boundary: every KDA layer's conv and recurrent state there, every DSA cache's
+    indexer ring (the per-token keys and gates of the last 2 * kpool positions: the MTP block's open pool is not
+    empty at a boundary, its rows being one position earlier) (all small: O(1) in the length), plus the trunk's
+    last hidden state (the MTP block pairs it with the next prompt token). The KDA
     kernels return the state at a chunk's end only, so a chunk of several blocks (a bucket that is a multiple of
     K) leaves a state at its end alone: larger buckets prefill faster, and resume points are that much coarser.
 
@@ -118,8 +120,7 @@ class PrefixCache:
             def one(c, s):
                 if not isinstance(c, DSACache):
                     return None
-                return (take(c.latent, s, k), take(c.index_k, s, k), take(c.index_gate, s, k),
-                        take(c.pooled, s // kpool, kp))  # fmt: skip
+                return take(c.latent, s, k), take(c.latent_scale, s, k), take(c.pooled, s // kpool, kp)
 
             n = len(staging.layers)  # the MTP block's rows: one position earlier (module docstring)
             return tuple(one(c, start - (i == n)) for i, c in enumerate(dsa(staging)))
@@ -127,22 +128,29 @@ class PrefixCache:
         def state(staging: Cache, h, row):
             sl = lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1)  # noqa: E731
             kda = tuple((sl(c.conv_state), sl(c.state)) if isinstance(c, KDACache) else None for c in staging.layers)
-            return kda, None if h is None else sl(h)
+            # the indexer's per-token ring (the open pools' members) of every DSA cache, the MTP block's included
+            ring = tuple((sl(c.recent_k), sl(c.recent_gate)) if isinstance(c, DSACache) else None for c in dsa(staging))
+            return (kda, ring), None if h is None else sl(h)
 
         def put_rows(staging: Cache, rows, start):
             def one(c, r, s):
                 if r is None:
                     return c
-                return DSACache(put(c.latent, r[0], s), put(c.index_k, r[1], s), put(c.index_gate, r[2], s),
-                                put(c.pooled, r[3], s // kpool))  # fmt: skip
+                return c.replace(latent=put(c.latent, r[0], s), latent_scale=put(c.latent_scale, r[1], s),
+                                 pooled=put(c.pooled, r[2], s // kpool))  # fmt: skip
 
             n = len(staging.layers)
             new = tuple(one(c, r, start - (i == n)) for i, (c, r) in enumerate(zip(dsa(staging), rows)))
             return staging.replace(layers=new[:-1], mtp=new[-1] if with_mtp else staging.mtp)
 
         def put_state(staging: Cache, st, length):
-            layers = tuple(c if s is None else KDACache(s[0], s[1]) for c, s in zip(staging.layers, st))
-            return staging.replace(layers=layers, length=jnp.full_like(staging.length, length))
+            kda, ring = st
+            layers = tuple(c if s is None else KDACache(s[0], s[1]) for c, s in zip(staging.layers, kda))
+            dsa_new = tuple(c if r is None else c.replace(recent_k=r[0], recent_gate=r[1])
+                            for c, r in zip((*layers, staging.mtp if with_mtp else None), ring))  # fmt: skip
+            layers = dsa_new[:-1]
+            mtp = dsa_new[-1] if with_mtp else staging.mtp
+            return staging.replace(layers=layers, mtp=mtp, length=jnp.full_like(staging.length, length))
 
         self._rows, self._state = jit(rows), jit(state)
         self._put_rows = jit(put_rows, donate_argnums=(0,))

@@ -11,19 +11,25 @@ A selection is index-shaped so block-sparse backends can gather whole pools: ``p
 ``q_pos_bt`` int32 [B, T], the absolute position of each query, from which causality and the always-visible
 tail {kpool*floor((q+1)/kpool) .. q} follow. Every implementation accumulates in f32 and returns q's dtype.
 
-Implementations: "reference" (masked dense attention, the oracle) and "auto" (the backend's choice in `_AUTO`,
-reference where it names none); a named one that cannot take the inputs raises NotImplementedError, only
-"auto" falls back (`kernels.dispatch`).
+The latent cache may be stored as int8 with one f32 scale per cached row (`latent_scale_bs` [B, S]); every
+implementation dequantizes it and casts the rows to q's dtype before its f32 math.
+
+Implementations of `sparse_mla`: "reference" (masked dense attention over every cached row, the oracle),
+"gather" (`gather.py`: gathers the selected pools' rows only, O(index_topk) rows per query) and "auto": on every
+backend "gather" when the selection's rows ((K + 1) * kpool) are fewer than the cached rows S, else "reference"
+(a small cache is read whole faster than gathered). A named implementation that cannot take the inputs raises
+NotImplementedError, only "auto" falls back (`kernels.dispatch`). `sparse_mha` has the reference only.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from kernels import dispatch
-from kernels.sparse_mla import reference
+from kernels.sparse_mla import gather, reference
 
-_MLA = {"reference": reference.sparse_mla}
+_MLA = {"reference": reference.sparse_mla, "gather": gather.sparse_mla}
 _MHA = {"reference": reference.sparse_mha}
 _AUTO: dict[str, str] = {}  # backend -> implementation "auto" runs
 
@@ -52,13 +58,15 @@ def sparse_mla(
     kpool: int,
     scale: float,
     select_tail: bool = True,
+    latent_scale_bs: jnp.ndarray | None = None,
     implementation: str = "reference",
 ) -> jnp.ndarray:
     """Absorbed sparse MLA: c_hat [B, T, H, R] = sum over selected keys s of softmax(scale * q_hat.c_s) c_s.
 
     Args:
       q_bthr: absorbed queries (W_uk^T q per head) [B, T, H, R=kv_lora].
-      latent_bsr: normalized latent cache [B, S, R]; positions beyond a query's position are never read.
+      latent_bsr: normalized latent cache [B, S, R] (float, or int8 with `latent_scale_bs` f32 [B, S]);
+        positions beyond a query's position are never read.
       pool_ids_btk, q_pos_bt, kpool, select_tail: the selection (module docstring).
       scale: softmax scale (1/sqrt(qk_nope_head_dim) for GLM-5.3, not 1/sqrt(R)).
     """
@@ -70,10 +78,31 @@ def sparse_mla(
     if latent_bsr.shape[0] != b or latent_bsr.shape[2] != r:
         raise ValueError(f"sparse_mla: latent {latent_bsr.shape} does not match queries {q_bthr.shape}")
     _check_selection("sparse_mla", b, t, pool_ids_btk, q_pos_bt, kpool)
-    kw = dict(kpool=kpool, scale=scale, select_tail=select_tail)
+    int8 = latent_bsr.dtype == jnp.int8
+    if int8 != (latent_scale_bs is not None):
+        raise ValueError(
+            f"sparse_mla: an int8 latent needs latent_scale_bs and a float one must not have it; got latent "
+            f"{latent_bsr.dtype} with latent_scale_bs {None if latent_scale_bs is None else latent_scale_bs.shape}"
+        )
+    if int8 and latent_scale_bs.shape != latent_bsr.shape[:2]:
+        raise ValueError(
+            f"sparse_mla: latent_scale_bs must be [B, S] = {latent_bsr.shape[:2]}, got {latent_scale_bs.shape}"
+        )
+    if not int8 and not jnp.issubdtype(latent_bsr.dtype, jnp.floating):
+        raise ValueError(f"sparse_mla: the latent must be floating or int8, got {latent_bsr.dtype}")
+    kw = dict(kpool=kpool, scale=scale, select_tail=select_tail, latent_scale_bs=latent_scale_bs)
+    auto = _AUTO
+    if implementation == dispatch.AUTO:
+        rows = (pool_ids_btk.shape[2] + select_tail) * kpool
+        auto = {jax.default_backend(): "gather" if rows < latent_bsr.shape[1] else "reference"}
     return dispatch.call(
-        "sparse_mla", implementation, _MLA, _AUTO, q_bthr, latent_bsr, pool_ids_btk, q_pos_bt, **kw
+        "sparse_mla", implementation, _MLA, auto, q_bthr, latent_bsr, pool_ids_btk, q_pos_bt, **kw
     )
+
+
+def gathered_rows(num_select: int, kpool: int, select_tail: bool, num_keys: int) -> int:
+    """Latent rows one query reads under "auto": the gathered selection, or every row when that is fewer."""
+    return min((num_select + select_tail) * kpool, num_keys)
 
 
 def sparse_mha(

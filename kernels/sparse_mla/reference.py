@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from glm53.quant.int8 import dequantize_rows
+
 _HI = jax.lax.Precision.HIGHEST
 
 
@@ -86,8 +88,11 @@ def sparse_mla(
     kpool: int,
     scale: float,
     select_tail: bool = True,
+    latent_scale_bs: jnp.ndarray | None = None,
 ) -> jnp.ndarray:
-    """Absorbed-form sparse MLA: c_hat[b,t,h] = sum_s softmax_s(scale * q_hat.c_s) c_s over the selected keys."""
+    """Absorbed-form sparse MLA: c_hat[b,t,h] = sum_s softmax_s(scale * q_hat.c_s) c_s over the selected keys.
+    An int8 latent (with `latent_scale_bs`) is dequantized whole, every row cast to q's dtype."""
+    latent_bsr = dequantize_rows(latent_bsr, latent_scale_bs, q_bthr.dtype)
     mask = selection_mask(
         pool_ids_btk, q_pos_bt, kpool=kpool, num_keys=latent_bsr.shape[1], select_tail=select_tail
     )
