@@ -59,7 +59,7 @@ class DecoderLayer(nnx.Module):
     def init_cache(self, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32):
         if self.attn_kind == "kda":
             return kda_lib.init_cache(cfg, batch, max_len, dtype)
-        return dsa_lib.init_cache(cfg, batch, max_len, dtype, with_indexer=not self.self_attn.shared_indexer)
+        return self.self_attn.init_cache(batch, max_len, dtype)
 
     def __call__(self, x_btnd, *, cache=None, start_b=None, selection=None):
         """Returns (new streams, new layer cache or None, indexer selection (DSA) or the one passed in).

@@ -23,9 +23,9 @@ from flax import nnx, struct
 from glm53 import dims
 from glm53.config import ModelConfig
 from glm53.layers.indexer import Indexer, recent_rows, write_at
-from glm53.quant.int8 import dequantize_rows, quantize_rows
 from glm53.layers.linear import Linear
 from glm53.layers.norm import RMSNorm
+from glm53.quant.int8 import dequantize_rows, quantize_rows
 from kernels.sparse_mla import api as sparse_mla_api
 
 ATTN_FORMS = ("absorbed", "expanded")
@@ -60,14 +60,15 @@ def latent_dtype(cfg: ModelConfig, dtype) -> jnp.dtype:
 
 
 def init_cache(
-    cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, *, with_indexer: bool = True
+    cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, *, with_indexer: bool = True, seq_shards: int = 1
 ) -> DSACache:
-    """An empty DSA cache for `batch` streams of up to `max_len` tokens (rounded up to a multiple of kpool);
-    `dtype` for the indexer rows (and the latent when ``latent_cache_dtype`` is "auto")."""
-    if batch < 1 or max_len < 1:
-        raise ValueError(f"DSA init_cache: batch and max_len must be >= 1, got {batch}, {max_len}")
+    """An empty DSA cache for `batch` streams of up to `max_len` tokens (rounded up to a multiple of kpool, and of
+    kpool * seq_shards so that `seq_shards` devices hold whole pools); `dtype` for the indexer rows (and the
+    latent when ``latent_cache_dtype`` is "auto")."""
+    if batch < 1 or max_len < 1 or seq_shards < 1:
+        raise ValueError(f"DSA init_cache: batch, max_len, seq_shards must be >= 1, got {batch}, {max_len}, {seq_shards}")
     kp = cfg.index_kpool
-    s = -(-max_len // kp) * kp
+    s = -(-max_len // (kp * seq_shards)) * kp * seq_shards
     c = cfg.index_head_dim
     w = recent_rows(kp) if with_indexer else 0
     lat = latent_dtype(cfg, dtype)
@@ -151,6 +152,17 @@ class DSA(nnx.Module):
         self.o_proj = Linear(h * self.v_dim, d, (dims.HEADS, dims.EMBED), rngs=rngs, dtype=dtype)
         self.shared_indexer = is_shared_indexer(cfg, layer_idx)
         self.indexer = None if self.shared_indexer else Indexer(cfg, rngs=rngs, dtype=dtype)
+        # The cache step on sequence-sharded caches (None: one device or GSPMD). Set by
+        # glm53.parallel.dsa.shard_dsa_layers: an object whose `step` writes the new rows, selects and attends
+        # under shard_map (the layer only calls it, so it does not depend on the parallel package).
+        self.seq_shard = None
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> DSACache:
+        """This layer's empty cache (`init_cache`), its length rounded for the sequence shards it runs on."""
+        shards = 1 if self.seq_shard is None else self.seq_shard.shards
+        return init_cache(
+            self.cfg, batch, max_len, dtype, with_indexer=not self.shared_indexer, seq_shards=shards
+        )
 
     def _w_uk_uv(self, dtype) -> tuple[jnp.ndarray, jnp.ndarray]:
         """kv_b_proj split per head: W_uk [R, H, nope], W_uv [R, H, v]."""
@@ -199,13 +211,6 @@ class DSA(nnx.Module):
         q_res = self.q_a_layernorm(self.q_a_proj(x_btd))  # [B, T, q_lora]
         q_bthc = self.q_b_proj(q_res).reshape(b, t, self.num_heads, self.nope)
         c_btr = self.kv_a_layernorm(self.kv_a_proj(x_btd))
-        if cache.latent.dtype == jnp.int8:
-            c_q, c_scale = quantize_rows(c_btr)
-            latent, latent_scale = write_at(cache.latent, c_q, start_b), write_at(cache.latent_scale, c_scale, start_b)
-        else:
-            latent, latent_scale = write_at(cache.latent, c_btr, start_b), cache.latent_scale  # [B, S, R]
-        scale_bs = latent_scale if cache.latent.dtype == jnp.int8 else None
-
         if self.shared_indexer:
             if selection is None:
                 raise ValueError(
@@ -217,6 +222,15 @@ class DSA(nnx.Module):
                     f"DSA layer {self.layer_idx}: selection must be pool ids [B={b}, T={t}, K], "
                     f"got shape {selection.shape}"
                 )
+        if not fresh and self.seq_shard is not None:
+            return self._sharded_step(x_btd, q_res, q_bthc, c_btr, cache, start_b, selection)
+        if cache.latent.dtype == jnp.int8:
+            c_q, c_scale = quantize_rows(c_btr)
+            latent, latent_scale = write_at(cache.latent, c_q, start_b), write_at(cache.latent_scale, c_scale, start_b)
+        else:
+            latent, latent_scale = write_at(cache.latent, c_btr, start_b), cache.latent_scale  # [B, S, R]
+        scale_bs = latent_scale if cache.latent.dtype == jnp.int8 else None
+        if self.shared_indexer:
             pool_ids, index_state = selection, (cache.recent_k, cache.recent_gate, cache.pooled)
         else:
             pool_ids, index_state = self.indexer(
@@ -244,3 +258,24 @@ class DSA(nnx.Module):
             o_bthe = sparse_mla_api.sparse_mha(q_bthc, k_bshc, v_bshe, pool_ids, q_pos_bt, **kw)
         y = self.o_proj(o_bthe.reshape(b, t, self.num_heads * self.v_dim))
         return y, (None if fresh else new_cache), pool_ids
+
+    def _sharded_step(self, x_btd, q_res, q_bthc, c_btr, cache, start_b, selection):
+        """The cache step on sequence-sharded caches (`self.seq_shard`), absorbed form."""
+        b, t, _ = x_btd.shape
+        if self.attn_form != "absorbed" and t > 1:
+            raise NotImplementedError(
+                f"DSA layer {self.layer_idx}: attn_form='expanded' needs the whole latent; sequence-sharded "
+                "caches run the absorbed form"
+            )
+        w_uk, w_uv = self._w_uk_uv(x_btd.dtype)
+        q_hat = jnp.einsum("bthc,rhc->bthr", q_bthc, w_uk)
+        index_in = None if self.shared_indexer else (*self.indexer.project(x_btd, q_res), self.indexer.compress_ape[...])
+        new_cache, pool_ids, c_hat = self.seq_shard.step(
+            cache, c_btr, index_in, selection, q_hat, start_b,
+            kpool=self.cfg.index_kpool, select_tail=self.cfg.index_kpool_always_select_tail,
+            num_select=None if self.shared_indexer else self.indexer.num_select(cache.pooled.shape[1]),
+            scale=self.nope**-0.5,
+        )  # fmt: skip
+        o_bthe = jnp.einsum("bthr,rhe->bthe", c_hat, w_uv)
+        y = self.o_proj(o_bthe.reshape(b, t, self.num_heads * self.v_dim))
+        return y, new_cache, pool_ids

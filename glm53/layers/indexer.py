@@ -71,8 +71,10 @@ def append_tokens(
     gate_btc: jnp.ndarray,
     start_b: jnp.ndarray,
     ape_jc: jnp.ndarray,
+    pool_offset: int | jnp.ndarray = 0,
 ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """Appends T tokens at positions start_b .. start_b+T-1: (recent_k, recent_gate, pooled) updated.
+    `pooled_bpc` holds pools pool_offset .. pool_offset + P - 1 (a sequence shard; pools outside are dropped).
 
     Every pool the tokens touch gets its pooled key recomputed from its members: the open pool's earlier members
     come from the ring, the rest are the new tokens (cast to the cache dtype first, as if read back from a
@@ -96,7 +98,9 @@ def append_tokens(
             return jax.lax.dynamic_update_slice_in_dim(buf, new_tc, s - a0, axis=0).reshape(n, kpool, c)
 
         new_nc = pool_keys(members(rk_wc, k_tc)[None], members(rg_wc, g_tc)[None], ape_jc)[0]
-        pooled_pc = pooled_pc.at[s // kpool + jnp.arange(n)].set(new_nc.astype(pooled_pc.dtype), mode="drop")
+        rows = s // kpool - pool_offset + jnp.arange(n)
+        rows = jnp.where(rows < 0, pooled_pc.shape[0], rows)  # a negative row is another shard's: dropped
+        pooled_pc = pooled_pc.at[rows].set(new_nc.astype(pooled_pc.dtype), mode="drop")
         # ring slot i: the latest position P <= s+T-1 with P = i (mod w); from the new tokens when P >= s
         end = s + t - 1
         j = end - (end - jnp.arange(w)) % w - s
@@ -239,7 +243,6 @@ class Indexer(nnx.Module):
         Returns:
           pool_ids int32 [B, T, min(topk/kpool, P)] (-1 = empty), and the updated (recent_k, recent_gate, pooled).
         """
-        b, t, _ = x_btd.shape
         w = recent_rows(self.kpool)
         if recent_k_bwc.shape[1] != w or recent_gate_bwc.shape[1] != w:
             raise ValueError(
@@ -247,14 +250,31 @@ class Indexer(nnx.Module):
                 f"{recent_gate_bwc.shape[1]} rows; this layout keeps the last 2*index_kpool = {w} positions "
                 "(a cache of another layout?)"
             )
+        k, gate, iq_bthc, w_bth = self.project(x_btd, q_res_btr)
+        return index_step(
+            recent_k_bwc, recent_gate_bwc, pooled_bpc, k, gate, iq_bthc, w_bth, start_b, self.compress_ape[...],
+            kpool=self.kpool, num_select=self.num_select(pooled_bpc.shape[1]),
+        )  # fmt: skip
+
+    def project(self, x_btd: jnp.ndarray, q_res_btr: jnp.ndarray):
+        """The new tokens' cache entries and queries: key k [B, T, C], gate [B, T, C], indexer queries
+        iq [B, T, H, C] and head weights w [B, T, H] f32 (scaled by 1/sqrt(H))."""
+        b, t, _ = x_btd.shape
         k, gate = self.token_state(x_btd)
-        recent_k_bwc, recent_gate_bwc, pooled_bpc = append_tokens(
-            recent_k_bwc, recent_gate_bwc, pooled_bpc, k, gate, start_b, self.compress_ape[...]
-        )
         iq_bthc = self.wq_b(q_res_btr).reshape(b, t, self.n_heads, self.head_dim)
         w_bth = self.weights_proj(x_btd).astype(jnp.float32) * self.n_heads**-0.5
-        q_pos_bt = start_b[:, None] + jnp.arange(t, dtype=start_b.dtype)[None, :]
-        _, ids = select_pools_blocked(
-            iq_bthc, w_bth, pooled_bpc, q_pos_bt, kpool=self.kpool, num_select=self.num_select(pooled_bpc.shape[1])
-        )
-        return ids, (recent_k_bwc, recent_gate_bwc, pooled_bpc)
+        return k, gate, iq_bthc, w_bth
+
+
+def index_step(
+    recent_k_bwc, recent_gate_bwc, pooled_bpc, k_btc, gate_btc, iq_bthc, w_bth, start_b, ape_jc, *, kpool, num_select
+):
+    """The indexer's cache step on one device: append the tokens (`append_tokens`), select pools for each
+    (`select_pools_blocked`). Returns (pool ids [B, T, num_select], (recent_k, recent_gate, pooled))."""
+    recent_k_bwc, recent_gate_bwc, pooled_bpc = append_tokens(
+        recent_k_bwc, recent_gate_bwc, pooled_bpc, k_btc, gate_btc, start_b, ape_jc
+    )
+    t = k_btc.shape[1]
+    q_pos_bt = start_b[:, None] + jnp.arange(t, dtype=start_b.dtype)[None, :]
+    _, ids = select_pools_blocked(iq_bthc, w_bth, pooled_bpc, q_pos_bt, kpool=kpool, num_select=num_select)
+    return ids, (recent_k_bwc, recent_gate_bwc, pooled_bpc)

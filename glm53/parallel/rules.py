@@ -23,11 +23,11 @@ under shard_map and sums them with ONE all-reduce per layer. Everything else is 
 parameter shardings.
 
 Caches (`cache_shardings`): KDA recurrent state [B, H, dk, dv] by head; the KDA conv state (q | k | v
-concatenated on one axis, which no block split can cut by head: GSPMD reshards it inside every KDA layer) and
-the MLA latent / indexer caches are replicated over "model", batch on "data". The prior art sequence-shards the
-latent and indexer caches (pool p on device p mod n, two-stage top-k); here that is the override
-``TP_RULES.replace(cache_seq="model", cache_pools="model")``, correct but gathered whole at every step until the
-indexer and sparse-MLA kernels run under shard_map. `glm53.memory` budgets them sequence-sharded.
+concatenated on one axis, which no block split can cut by head: GSPMD reshards it inside every KDA layer) is
+replicated over "model"; the MLA latent and the pooled indexer keys are split by sequence over "model"
+(``cache_seq`` / ``cache_pools``: device d holds a contiguous 1/n of every stream's positions, whole pools), and
+every DSA layer runs its cache step under shard_map with a two-stage top-k (`glm53.parallel.dsa`); batch on
+"data". ``TP_RULES.replace(cache_seq=None, cache_pools=None)`` replicates them instead.
 
 Quantized routed experts (`glm53.quant.qweight.QuantizedExperts`): a plane is [expert, words (input blocks),
 rows (outputs)], the axis order of the dense kernel [E, in, out], so the kernel's logical axes shard the planes.
@@ -124,6 +124,8 @@ _COMMON = {
     dims.INDEX_HEADS: "model",
     dims.INDEX_QK: "model",
     BATCH: "data",
+    CACHE_SEQ: "model",  # DSA caches split by sequence (glm53/parallel/dsa.py)
+    CACHE_POOLS: "model",
 }
 TP_RULES = Rules("tp", _table({**_COMMON, dims.EXPERT_MLP: "model"}))
 EP_RULES = Rules("ep", _table({**_COMMON, dims.EXPERT: "model"}))

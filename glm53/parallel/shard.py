@@ -20,6 +20,7 @@ from glm53.layers.dsa import DSACache
 from glm53.layers.kda import KDACache
 from glm53.model import Cache
 from glm53.parallel import distributed
+from glm53.parallel.dsa import shard_dsa_layers
 from glm53.parallel.moe import prepare_planes, wrap_moe_layers
 from glm53.parallel.rules import (
     BATCH,
@@ -63,6 +64,7 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: str | Rules) -> nnx.Sta
 
 
 def _dispatch(model: nnx.Module, mesh: Mesh, rules: Rules, moe_dispatch: bool) -> nnx.Module:
+    shard_dsa_layers(model, mesh, rules)  # DSA caches split by sequence: the cache step under shard_map
     if not moe_dispatch:
         return model
     return wrap_moe_layers(model, mesh, rules)

@@ -52,12 +52,24 @@ def selection_positions(
     return pos.reshape(b, t, -1), valid.reshape(b, t, -1)
 
 
-def _attend(q_bthr, latent_bsr, scale_bs, pool_ids_btk, q_pos_bt, *, kpool, scale, select_tail):
+def partial_attention(
+    q_bthr, latent_bsr, scale_bs, pool_ids_btk, q_pos_bt, *, kpool, scale, select_tail, num_keys=None, row_offset=0
+):
+    """Attention over the selected rows that this latent holds: (m, l, o) with m [B, T, H, 1] the max score (-inf
+    where no row is visible here), l the sum of exp(score - m), o [B, T, H, R] the unnormalised weighted rows.
+
+    `latent_bsr` holds rows row_offset .. row_offset + S_local - 1 of a cache of `num_keys` rows (default: all
+    of them, offset 0): a sequence shard computes its part, and `combine` (or a cross-device reduction of the
+    same formula) finishes the softmax."""
     b, t = q_pos_bt.shape
+    s_local = latent_bsr.shape[1]
+    num_keys = s_local if num_keys is None else num_keys
     pos, valid = selection_positions(
-        pool_ids_btk, q_pos_bt, kpool=kpool, num_keys=latent_bsr.shape[1], select_tail=select_tail
+        pool_ids_btk, q_pos_bt, kpool=kpool, num_keys=num_keys, select_tail=select_tail
     )
-    flat = pos.reshape(b, -1)
+    local = pos - row_offset
+    valid = valid & (local >= 0) & (local < s_local)
+    flat = jnp.clip(local, 0, s_local - 1).reshape(b, -1)
     rows = jax.vmap(lambda lat, p: lat[p])(latent_bsr, flat)  # [B, T*N, R]
     sc = None if scale_bs is None else jax.vmap(lambda s, p: s[p])(scale_bs, flat)
     kv = dequantize_rows(rows, sc, q_bthr.dtype).astype(jnp.float32).reshape(b, t, -1, rows.shape[-1])
@@ -65,12 +77,14 @@ def _attend(q_bthr, latent_bsr, scale_bs, pool_ids_btk, q_pos_bt, *, kpool, scal
     m = valid[:, :, None, :]
     s = jnp.where(m, s, -jnp.inf)
     mx = jnp.max(s, axis=-1, keepdims=True)
-    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    p = jnp.where(m, jnp.exp(s - mx), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom > 0, denom, 1.0)
-    o = jnp.einsum("bthn,btnr->bthr", p, kv, precision=_HI)
-    return o.astype(q_bthr.dtype)
+    p = jnp.where(m, jnp.exp(s - jnp.where(jnp.isfinite(mx), mx, 0.0)), 0.0)
+    return mx, jnp.sum(p, axis=-1, keepdims=True), jnp.einsum("bthn,btnr->bthr", p, kv, precision=_HI)
+
+
+def combine(m, l, o, dtype):
+    """The softmax output of one partial attention (no visible key: zeros)."""
+    del m
+    return (o / jnp.where(l > 0, l, 1.0)).astype(dtype)
 
 
 def sparse_mla(
@@ -84,12 +98,24 @@ def sparse_mla(
     select_tail: bool = True,
     latent_scale_bs: jnp.ndarray | None = None,
     q_block: int = Q_BLOCK,
+    num_keys: int | None = None,
+    row_offset=0,
+    finish=None,
 ) -> jnp.ndarray:
-    """Absorbed sparse MLA over the gathered selection (same contract as `reference.sparse_mla`)."""
-    kw = dict(kpool=kpool, scale=scale, select_tail=select_tail)
+    """Absorbed sparse MLA over the gathered selection (same contract as `reference.sparse_mla`).
+
+    Sequence shards pass `num_keys` (the whole cache's rows), `row_offset` (their first row) and `finish`
+    (m, l, o, dtype) -> output, which combines the shards' partial softmaxes (default: `combine`, one shard)."""
+    finish = combine if finish is None else finish
+    kw = dict(kpool=kpool, scale=scale, select_tail=select_tail, num_keys=num_keys, row_offset=row_offset)
+
+    def attend(q, ids, qp):
+        m, l, o = partial_attention(q, latent_bsr, latent_scale_bs, ids, qp, **kw)
+        return finish(m, l, o, q.dtype)
+
     b, t = q_pos_bt.shape
     if t <= q_block:
-        return _attend(q_bthr, latent_bsr, latent_scale_bs, pool_ids_btk, q_pos_bt, **kw)
+        return attend(q_bthr, pool_ids_btk, q_pos_bt)
     nb = -(-t // q_block)
     pad = nb * q_block - t
 
@@ -97,9 +123,5 @@ def sparse_mla(
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         return jnp.moveaxis(x.reshape(b, nb, q_block, *x.shape[2:]), 1, 0)
 
-    def one(args):
-        q, ids, qp = args
-        return _attend(q, latent_bsr, latent_scale_bs, ids, qp, **kw)
-
-    o = jax.lax.map(one, (blocks(q_bthr), blocks(pool_ids_btk), blocks(q_pos_bt)))
+    o = jax.lax.map(lambda a: attend(*a), (blocks(q_bthr), blocks(pool_ids_btk), blocks(q_pos_bt)))
     return jnp.moveaxis(o, 0, 1).reshape(b, nb * q_block, *o.shape[3:])[:, :t]
