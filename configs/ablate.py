@@ -9,11 +9,15 @@ NAME picks a sweep (`config.variants`); every field can be overridden (``--confi
   imatrix    each i-quant with and without the importance matrix (+imatrix)
   prior_art  UD-IQ3_XXS with the non-expert matrices F32, int8 per channel (what the prior art serves; glm53
              only) and Q8_0 (the GGUF-expressible neighbour)
+  latent     the DSA layers' MLA latent cache as int8 (one f32 absmax scale per token, the release's serving
+             layout) or bfloat16 against the exact latent of the base: alone (F32 experts), with UD-IQ3_XXS
+             experts, and with the prior art's int8 non-experts too (glm53 only)
 
 Fields:
   weights         base model: an HF folder, GGUF file or Orbax checkpoint ("": the shipped glm53-mini)
   variants        comma-separated variants (glm53/ablation/variants.py: FMT, gate=..,up=..,down=.., UD-IQ3_XXS,
-                  N.matrix=FMT overrides, +imatrix / +int8 / +q8_0, per_role:FMT, per_layer:FMT)
+                  N.matrix=FMT overrides, +imatrix / +int8 / +q8_0 / +latent_int8 / +latent_bf16 / +latent_f32,
+                  per_role:FMT, per_layer:FMT)
   n_ctx, n_chunks chunks of n_ctx tokens of the held-out split; the second half of each is scored
   split           the corpus split scored ("test"); tokens: a JSON file of token-id lists to score instead
   imatrix         an imatrix GGUF for +imatrix ("": computed from imatrix_chunks chunks of imatrix_split)
@@ -35,6 +39,7 @@ SWEEPS = {
     "layers": "per_layer:IQ2_S",
     "imatrix": ",".join(f"{f},{f}+imatrix" for f in IQUANTS),
     "prior_art": "F32,UD-IQ3_XXS,UD-IQ3_XXS+int8,UD-IQ3_XXS+q8_0",
+    "latent": "F32,F32+latent_bf16,F32+latent_int8,UD-IQ3_XXS,UD-IQ3_XXS+latent_int8,UD-IQ3_XXS+int8+latent_int8",
 }
 
 

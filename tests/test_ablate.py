@@ -1,6 +1,6 @@
 """The quantization ablation end to end (glm53.ablation.pipeline, experiments.ablate) on a tiny random model:
 two variants (F32: KLD 0, same top-1 100%; Q8_0), an interrupted sweep, the rerun that finishes it, the outputs
-and bad input."""
+and bad input; the latent-cache variants (+latent_int8 vs the exact latent)."""
 
 import json
 import os
@@ -9,14 +9,17 @@ import sys
 
 import numpy as np
 import pytest
+from flax import nnx
 
 from configs import tiny
 from glm53 import build
 from glm53.ablation import pipeline, report, stats
+from glm53.ablation.variants import parse_variants
 from glm53.checkpoint.gguf import open_gguf_model
 from glm53.checkpoint.gguf_export import model_params, write_gguf
 from glm53.config import model_config_from_dict
 from glm53.errors import ConfigError
+from glm53.layers.dsa import DSA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_CTX, N_CHUNKS = 24, 2
@@ -116,3 +119,52 @@ def test_bad_input(base, monkeypatch, tmp_path):
     )  # fmt: skip
     assert p.returncode == 1 and "config.variants" in p.stderr and "IQ9_Q" in p.stderr, p.stderr[-1500:]
     assert not (tmp_path / "y").exists()
+
+
+def test_latent_cache_variants(base, monkeypatch, tmp_path):
+    """+latent_int8 scores the variant with the DSA latent cache stored as int8 (one scale per token) against the
+    base's exact f32 latent: a small KLD > 0 where the same model with an f32 latent cache (+latent_f32) gives
+    exactly the F32 variant's figures; it composes with an expert format (Q8_0+latent_int8)."""
+    d, _ = base
+    built = {}  # variant GGUF -> the latent_cache_dtype of every DSA layer of the model scored
+    real = pipeline.build.load_model
+
+    def load_model(path, **kw):
+        cfg, model = real(path, **kw)
+        dsa = [m for _, m in nnx.iter_graph(model) if isinstance(m, DSA)]
+        built[os.path.basename(path)] = {m.cfg.latent_cache_dtype for m in dsa}
+        return cfg, model
+
+    monkeypatch.setattr(pipeline.build, "load_model", load_model)
+    variants = "F32,F32+latent_f32,F32+latent_int8,Q8_0+latent_int8"
+    r = pipeline.run(_config(d, variants=variants), str(tmp_path), log=lambda s: None)
+    assert built == {"base_in.gguf": {"auto"}, "F32.gguf": {"auto"}, "F32+latent_f32.gguf": {"float32"},
+                     "F32+latent_int8.gguf": {"int8"}, "Q8_0+latent_int8.gguf": {"int8"}}  # fmt: skip
+    f32, f32_latent, int8_latent, q8_int8_latent = r["variants"]
+    assert f32_latent["latent_cache_dtype"] == "float32" and "latent_cache_dtype" not in f32
+    for k in ("kld", "same_top1", "ppl", "delta_p"):  # an f32 latent cache is the base's: identical logits
+        assert f32_latent[k] == f32[k], k
+    assert f32["kld"]["mean"] < 1e-9
+    assert int8_latent["latent_cache_dtype"] == "int8" and q8_int8_latent["latent_cache_dtype"] == "int8"
+    # the int8 rounding of the latent (relative step 1/254 of a row's absmax) is small on this random model
+    # (KLD ~1e-8), still orders of magnitude above the F32 variant's floor
+    floor = max(1e-10, 1e3 * f32["kld"]["mean"])
+    assert floor < int8_latent["kld"]["mean"] < 1e-3, (f32["kld"], int8_latent["kld"])
+    assert int8_latent["same_top1"] > 0.9 and abs(int8_latent["ln_ppl_ratio"]) < 0.05
+    assert int8_latent["bpw"] == 32 and max(int8_latent["weight_rel_frobenius"].values()) == 0
+    assert q8_int8_latent["kld"]["mean"] > floor and q8_int8_latent["bpw"] == 8.5
+    # llama.cpp (F32 KV cache) cannot score the latent layouts: no cross-check column for them
+    assert (
+        f32["llama_cpp"] is not None and int8_latent["llama_cpp"] is None and f32_latent["llama_cpp"] is None
+    )
+    with open(tmp_path / report.REPORT) as f:
+        md = f.read()
+    assert "| F32+latent_int8 | 32.000 |" in md and "| Q8_0+latent_int8 | 8.500 |" in md
+    with pytest.raises(ConfigError, match=r"\+latent_int8 and \+latent_bf16 both set the latent cache"):
+        parse_variants("F32+latent_int8+latent_bf16")
+    cfg = build.weights_config(str(d / "base_in.gguf"))
+    assert [v.latent for v in parse_variants("F32,Q8_0+int8+latent_bf16", cfg)] == ["auto", "bfloat16"]
+    no_dsa = cfg.replace(layer_types=("kda",) * cfg.num_hidden_layers)
+    with pytest.raises(ConfigError, match="no DSA layer"):
+        parse_variants("F32+latent_int8", no_dsa)
+    parse_variants("F32", no_dsa)

@@ -20,6 +20,7 @@ from test_moe_pallas import LIMIT, case_data
 from configs import glm53_flash
 from glm53 import parallel as S
 from glm53.config import QuantConfig, model_config_from_dict
+from glm53.benchmarks.compiled_hlo import collectives
 from glm53.model import Glm53Model
 from glm53.quant.qweight import QuantizedExperts
 from glm53.testing import tpu
@@ -93,11 +94,13 @@ def _shard_bytes(tree) -> int:
 def test_release_width_model_decode_compiles_for_v5e_8():
     """Release widths (hidden 4096, 288 experts of 4096 x 2048, configs/glm53_flash.py) cut to a KDA+MoE and a
     DSA+MoE layer, routed experts in the UD-IQ3_XXS mix as GGUF planes (IQ2_S / IQ3_S gate/up, IQ4_XS down
-    for a 2-layer model) run by the Pallas kernels, bf16, TP rules on a 1x8 mesh of v5e:2x4: the decode step of
-    1 stream (cache of 1024 tokens) compiles, with 2 Mosaic kernels per MoE layer (gate+up, down).
+    for a 2-layer model) run by the Pallas kernels, bf16, the release's serving caches (int8 MLA latent with a
+    per-token scale, pooled indexer keys, both split by sequence over the 8 chips), TP rules on a 1x8 mesh of
+    v5e:2x4: the decode step of 1 stream (cache of 1024 tokens) compiles, with 2 Mosaic kernels per MoE layer
+    (gate+up, down) and the DSA layer's cache step under shard_map (the two-stage top-k's all-gathers).
 
-    Per device (libtpu 0.0.42.1): arguments 1212.1 MB (the weight and cache shards, 1212.04 MB, + 58 kB of tile
-    padding), output 2.3 MB (2.2 MB of it aliased to the donated cache), temporaries 10.1 MB, code 6.3 MB.
+    Per device (libtpu 0.0.42.1): arguments 1210.5 MB (the weight and cache shards + tile padding), output
+    0.7 MB (0.6 MB aliased to the donated cache), temporaries 10.9 MB, code 7.1 MB.
     """
     d = glm53_flash.model_config().to_dict()
     d.update(
@@ -126,6 +129,8 @@ def test_release_width_model_decode_compiles_for_v5e_8():
     assert formats == [("IQ2_S", "IQ2_S", "IQ4_XS"), ("IQ3_S", "IQ3_S", "IQ4_XS")]
     graphdef, state = nnx.split(model)
     cache = jax.eval_shape(lambda: model.init_cache(1, 1024))
+    dsa = cache.layers[1]
+    assert dsa.latent.dtype == jnp.int8 and dsa.latent_scale.shape == (1, 1024)
     cache = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         cache,
@@ -141,6 +146,10 @@ def test_release_width_model_decode_compiles_for_v5e_8():
     report = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in mem.items())
     print(f"release-width 2-layer decode on v5e-8 (per device): {report}")
     assert tpu.mosaic_kernels(compiled) == 2 * 2, report
+    placed = S.cache_shardings(cache, mesh, "tp").layers[1]
+    assert placed.latent.shard_shape(dsa.latent.shape) == (1, 1024 // 8, 512)  # 1/8 of the positions per chip
+    assert placed.pooled.shard_shape(dsa.pooled.shape) == (1, 1024 // 4 // 8, 128)
+    assert collectives(compiled.as_text())["all-gather"] >= 2, report  # the candidates of the two-stage top-k
     pad = mem["argument"] - _shard_bytes((state, cache, tokens))  # TPU tile padding of the small arrays
     assert 0 <= pad < 1 << 20, report
     assert mem["temp"] < 64 << 20, report

@@ -4,7 +4,8 @@
 ggml, the tokens, an existing results.json); then the base model is loaded once, its logits computed (glm53, and
 llama.cpp on ``base.gguf``), and each variant not yet in results.json is written as ``<variant>.gguf`` (llama.cpp's
 quantizer on the routed experts, with the imatrix for ``+imatrix``), measured in weight space, scored by glm53
-with the experts kept quantized and by llama.cpp, and appended to results.json (written atomically after each).
+with the experts kept quantized (and the variant's latent cache layout, ``+latent_*``) and by llama.cpp, and
+appended to results.json (written atomically after each).
 """
 
 from __future__ import annotations
@@ -310,8 +311,8 @@ def _sweep(c, out, weights, cfg, chunks, todo: list[Variant], results: dict, log
         results["variants"][-1]["seconds"] = round(time.time() - t1, 1)
         write_json(os.path.join(out, RESULTS), results)
         r = results["variants"][-1]
-        log(f"{v.name}: {r['bpw']:.3f} bpw, KLD {r['kld']['mean']:.6f}, same top-1 {100 * r['same_top1']:.2f}%, "
-            f"PPL ratio {r['ppl'] / r['ppl_base']:.4f} ({r['seconds']} s)")  # fmt: skip
+        log(f"{v.name}: {r['bpw']:.3f} bpw, KLD {r['kld']['mean']:.3e}, same top-1 {100 * r['same_top1']:.2f}%, "
+            f"PPL ratio {r['ppl'] / r['ppl_base']:.5f} ({r['seconds']} s)")  # fmt: skip
     _progress(len(todo), len(todo), "done")
 
 
@@ -321,7 +322,10 @@ def _variant(c, out, cfg, params, chunks, v: Variant, base, base_ll, imp) -> dic
     nbytes, nweights = expert_bytes(v, cfg)
     rel, rel_layers = weight_errors(path, params, cfg)
     quant = QuantConfig(experts=v.mix, layout=c.layout, moe_impl=c.moe_impl)
-    _, model = build.load_model(path, dtype=jnp.float32, with_mtp=False, quant=quant)
+    # +latent_*: the GGUF's config with the variant's latent cache layout (a forward without a cache builds a
+    # fresh one of that layout, so scoring attends over the stored latent); else the GGUF's config as is
+    vcfg = None if v.latent == "auto" else build.weights_config(path).replace(latent_cache_dtype=v.latent)
+    _, model = build.load_model(path, dtype=jnp.float32, with_mtp=False, quant=quant, cfg=vcfg)
     int8 = int8_non_experts(model) if v.int8 else 0
     ours = glm53_logits(model, chunks)
     del model
@@ -329,9 +333,11 @@ def _variant(c, out, cfg, params, chunks, v: Variant, base, base_ll, imp) -> dic
          "weight_rel_frobenius": rel, "weight_rel_frobenius_layers": rel_layers}  # fmt: skip
     if int8:
         r["int8_matrices"] = int8
+    if v.latent != "auto":
+        r["latent_cache_dtype"] = v.latent
     r.update(summary(ours, base, chunks))
     r["llama_cpp"] = None
-    if base_ll is not None and not v.int8:
+    if base_ll is not None and not v.int8 and v.latent == "auto":  # llama.cpp has neither (F32 KV cache)
         theirs = llama_logits(path, chunks, c.threads)
         r["llama_cpp"] = summary(theirs, base_ll, chunks)
         r["llama_cpp_max_abs_logit_diff"] = float(np.max(np.abs(theirs - ours)))

@@ -39,9 +39,9 @@ def table(results: dict) -> str:
         rows.append(
             f"| {v['name']} | {v['bpw']:.3f} | {v['expert_bytes'] / 2**20:.2f} "
             f"| {100 * w['gate']:.1f}% / {100 * w['up']:.1f}% / {100 * w['down']:.1f}% "
-            f"| {v['ppl'] / v['ppl_base']:.5f} | {v['kld']['mean']:.6f} ± {v['kld']['sem']:.6f} "
-            f"| {v['kld']['p99_9']:.6f} | {100 * v['same_top1']:.2f} ± {100 * v['same_top1_sem']:.2f} "
-            f"| {100 * v['delta_p']['rms']:.3f} | {_f(ll.get('kld', {}).get('mean'), '.6f')} "
+            f"| {v['ppl'] / v['ppl_base']:.5f} | {v['kld']['mean']:.3e} ± {v['kld']['sem']:.1e} "
+            f"| {v['kld']['p99_9']:.2e} | {100 * v['same_top1']:.2f} ± {100 * v['same_top1_sem']:.2f} "
+            f"| {100 * v['delta_p']['rms']:.4f} | {_f(ll.get('kld', {}).get('mean'), '.3e')} "
             f"| {_f(ll.get('same_top1') and 100 * ll['same_top1'], '.2f')} | {_f(d, '+.1e')} |"
         )
     return "\n".join(rows)
@@ -56,7 +56,8 @@ def write(out: str, results: dict) -> list[str]:
         f"Base: {results['base']}. {results['n_tokens_scored']} tokens scored: chunks of {results['n_ctx']} "
         f"tokens, positions {results['scored_from']}..{results['n_ctx'] - 1} predicted (llama-perplexity's "
         "--kl-divergence statistics, KL(base || Q)). llama.cpp columns: llama.cpp's logits on the same GGUF "
-        "against llama.cpp's on base.gguf (empty for +int8: GGUF has no int8 type).",
+        "against llama.cpp's on base.gguf (empty for +int8: GGUF has no int8 type, and for +latent_*: llama.cpp "
+        "keeps an F32 KV cache).",
         "",
         table(results),
         "",

@@ -9,11 +9,15 @@
 
 each optionally followed by flags: ``+imatrix`` (quantize with the importance matrix), ``+int8`` (also the
 non-expert matrices as int8 per output channel, the prior art's storage; glm53 only: GGUF has no such type, the
-GGUF keeps them F32) or ``+q8_0`` (the non-expert matrices as Q8_0 in the GGUF). A new variant starts at an item
-without ``=``, at a key its variant already has, or at ``gate=`` after a format (so a per-matrix mix is
-written gate first; ``Q4_K,down=Q6_K`` stays one variant); ``;`` also separates variants. Two expansions:
-``per_role:FMT`` (one variant per matrix role in FMT, the others F32) and ``per_layer:FMT`` (one variant per MoE
-layer in FMT, the others F32).
+GGUF keeps them F32) or ``+q8_0`` (the non-expert matrices as Q8_0 in the GGUF), and ``+latent_int8`` /
+``+latent_bf16`` / ``+latent_f32``: the DSA layers' MLA latent cache stored as int8 with one f32 absmax scale
+per token (the release's serving layout) / bfloat16 / float32 (`ModelConfig.latent_cache_dtype`; glm53 only,
+the GGUF is the same; without one the latent stays exact, in the model's dtype, as in the base;
+``F32+latent_int8`` is the int8 latent alone). A new variant starts at an item without ``=``, at a key its
+variant already has, or at ``gate=`` after a format (so a per-matrix mix is written gate first;
+``Q4_K,down=Q6_K`` stays one variant); ``;`` also separates variants. Two expansions: ``per_role:FMT`` (one
+variant per matrix role in FMT, the others F32) and ``per_layer:FMT`` (one variant per MoE layer in FMT, the
+others F32).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from glm53.errors import ConfigError
 from glm53.quant.formats import get_format
 from glm53.quant.mixes import MATRICES, ExpertMix, parse_mix
 
-FLAGS = ("imatrix", "int8", "q8_0")
+LATENT_FLAGS = {"latent_int8": "int8", "latent_bf16": "bfloat16", "latent_f32": "float32"}
+FLAGS = ("imatrix", "int8", "q8_0", *LATENT_FLAGS)
 FIELD = "config.variants"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.+-]")
 
@@ -38,6 +43,7 @@ class Variant:
     imatrix: bool = False
     int8: bool = False
     q8_0: bool = False
+    latent: str = "auto"  # the latent_cache_dtype the variant runs with ("auto": exact, the base's)
 
     @property
     def file(self) -> str:
@@ -92,12 +98,17 @@ def _one(text: str) -> Variant:
                 flags.append(f.lower())
     if "int8" in flags and "q8_0" in flags:
         raise ConfigError(f"{FIELD}: {text!r}: +int8 and +q8_0 both set the non-expert matrices; choose one")
+    latent = [f for f in flags if f in LATENT_FLAGS]
+    if len(latent) > 1:
+        raise ConfigError(f"{FIELD}: {text!r}: {' and '.join('+' + f for f in latent)} both set the latent "
+                          "cache; choose one")  # fmt: skip
     spec = ",".join(items)
     mix = parse_mix(spec, f"{FIELD} ({spec!r})")
     if mix is None:
         raise ConfigError(f"{FIELD}: {spec!r} quantizes nothing; use F32 for the unquantized reference")
     name = spec + "".join(f"+{f}" for f in FLAGS if f in flags)
-    return Variant(name, mix, *(f in flags for f in FLAGS))
+    latent_dtype = LATENT_FLAGS[latent[0]] if latent else "auto"
+    return Variant(name, mix, "imatrix" in flags, "int8" in flags, "q8_0" in flags, latent_dtype)
 
 
 def _expand(text: str, cfg: ModelConfig | None) -> list[str]:
@@ -142,11 +153,14 @@ def row_length(cfg: ModelConfig, matrix: str) -> int:
 
 
 def check_variant(v: Variant, cfg: ModelConfig) -> None:
-    """ConfigError when the model has no MoE layer, an override names another layer, or a format's block size does
-    not divide the rows it would quantize."""
+    """ConfigError when the model has no MoE layer, a latent flag has no DSA layer to act on, an override names
+    another layer, or a format's block size does not divide the rows it would quantize."""
     moe = moe_layers(cfg)
     if not moe:
         raise ConfigError(f"{FIELD}: the base model has no routed experts (no MoE layer) to quantize")
+    if v.latent != "auto" and "dsa" not in cfg.layer_types:
+        raise ConfigError(f"{FIELD}: {v.name!r}: the base model has no DSA layer, so no latent cache to store "
+                          f"as {v.latent}")  # fmt: skip
     for layer, _m, _ in v.mix.overrides:
         if layer not in moe:
             raise ConfigError(
