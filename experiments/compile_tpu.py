@@ -38,6 +38,12 @@ _COMPOSE = flags.DEFINE_enum(
 _CENSUS = flags.DEFINE_bool(
     "census", True, "time a warm persistent-cache compile and a jax.export round trip"
 )
+_PLACEMENT = flags.DEFINE_string(
+    "placement",
+    "",
+    "memory-budget placement of weights and caches (glm53.memory.placement: prior_art | tp | ep; "
+    "default: the config's mesh.rules)",
+)
 _CACHE_DIR = flags.DEFINE_string(
     "cache_dir", None, "persistent compilation cache (default: a fresh temp dir)"
 )
@@ -59,6 +65,7 @@ def main(argv):
             layers=_LAYERS.value,
             compose=_COMPOSE.value,
             census=_CENSUS.value,
+            placement=_PLACEMENT.value,
         )
     except ValueError as e:
         raise app.UsageError(str(e)) from None

@@ -11,10 +11,15 @@ import os
 import subprocess
 import sys
 
+import ml_collections
 import pytest
 
-from glm53.benchmarks import compiled_hlo
+from configs import glm53_flash, tiny
+from glm53.benchmarks import compile_tpu, compiled_hlo
 from glm53.benchmarks.compile_tpu import Settings
+from glm53.config import QuantConfig, model_config_from_dict
+from glm53.memory.weights import non_expert_by_class
+from glm53.testing import tpu
 
 pytestmark = pytest.mark.tpu_compile
 
@@ -90,6 +95,14 @@ def test_census(result):
         assert "flatbuffers" in c["export"]["error"]
 
 
+def test_release_layers_non_expert_weights_equal_the_budget(result):
+    """The release widths' 2 layers under the config's tp rules: compiled weight parameters = placed = budget."""
+    w = result["non_expert_weights"]
+    assert result["mesh"]["placement"] == "tp"
+    assert w["compiled"] == w["model"] == w["budget"] and w["compiled_total"] == w["budget_total"]
+    assert w["budget"]["embedding"] == w["budget"]["lm_head"]  # int8 vocabulary rows / columns + f32 scales
+
+
 @pytest.mark.parametrize(
     "streams, prefill, ok",
     [((), (2048,), True), ((1,), (), True), ((), (), False), ((0,), (16,), False), ((1,), (-1,), False)],
@@ -101,3 +114,70 @@ def test_settings_program_lists(streams, prefill, ok):
     else:
         with pytest.raises(ValueError, match="--streams / --prefill must be positive"):
             Settings(streams=streams, prefill=prefill)
+
+
+# ------------------------------------------------------------------------ weights as the memory budget stores them
+def _narrow_config() -> ml_collections.ConfigDict:
+    """A KDA + dense and a DSA + MoE layer at narrow widths that every split of the rules divides over 8 chips
+    (heads, low-rank outputs, vocabulary) and whose routed experts the Pallas kernels take (IQ4_XS blocks: hidden
+    256, expert width 2048 = 8 devices x one block of 256): compiles in seconds."""
+    model = tiny.model_config("gguf").to_dict()
+    model.update(vocab_size=1024, num_hidden_layers=2, layer_types=["kda", "dsa"], mlp_layer_types=["dense", "moe"],
+                 indexer_types=["full", "full"], moe_intermediate_size=2048, n_routed_experts=8,
+                 num_experts_per_tok=2, linear_num_heads=8, num_attention_heads=8, index_n_heads=8)  # fmt: skip
+    return ml_collections.ConfigDict(
+        dict(
+            model=model,
+            quant=dict(experts="iq4_xs", layout="planes", moe_impl="pallas_tpu", decode_max_slots=64),
+            mesh=dict(axes=("data", "model"), shape=(1, -1), rules="tp"),
+            seed=0,
+            param_dtype="bfloat16",
+        )
+    )
+
+
+@pytest.mark.parametrize("placement", ["prior_art", "tp"])
+def test_compiled_non_expert_weights_equal_the_budget(placement):
+    """The compiled programs' weight parameters per chip (the entry parameters of every unit, summed by tensor
+    class over the layers) equal the memory budget's non-expert bytes per chip for the same config, 8 devices and
+    placement, to the byte and per class: int8 embedding rows (`Int8Rows`) and lm_head columns, a bf16 router, f32
+    norms, and under "prior_art" the low-rank projections split by output. The compiler's argument bytes are
+    these, the routed experts, caches and activations, plus the TPU tile padding of small arrays."""
+    config = _narrow_config()
+    settings = Settings(experts="iq4_xs", streams=(1,), prefill=(16,), context=256, census=False,
+                        placement=placement)  # fmt: skip
+    r = compile_tpu.run(config, settings, progress=lambda _: None)
+    cfg = model_config_from_dict(config.model)
+    budget = {k: v["bytes_per_device"] for k, v in non_expert_by_class(cfg, 8, placement).items()}
+    w = r["non_expert_weights"]
+    assert r["mesh"]["placement"] == placement
+    assert w["compiled"] == w["model"] == w["budget"] == budget
+    assert w["compiled_total"] == sum(budget.values())
+    for p in r["programs"]:
+        t = p["total"]["weights_compiled"]
+        assert {k: v for k, v in t.items() if k != "routed_experts"} == budget
+        assert t["routed_experts"] == sum(u["weights"]["routed_experts"] for u in p["units"])
+        for u in p["units"]:
+            held = sum(u["weights"].values()) + u["cache"]
+            assert sum(u["weights_compiled"].values()) == sum(u["weights"].values())
+            assert held <= u["parameter_bytes"] <= u["memory"]["argument"] < u["parameter_bytes"] + (64 << 10)
+    other = "tp" if placement == "prior_art" else "prior_art"
+    other_budget = {k: v["bytes_per_device"] for k, v in non_expert_by_class(cfg, 8, other).items()}
+    changed = {k for k in budget if budget[k] != other_budget[k]}
+    assert changed == {"attention", "indexer"}  # the low-rank split: q_a, kv_a, f_a, g_a, indexer wk / gate
+    vocab_rows = cfg.vocab_size // 8
+    assert budget["embedding"] == vocab_rows * cfg.hidden_size + vocab_rows * 4  # int8 + f32 scale per row
+
+
+@pytest.mark.parametrize("placement, gb", [("prior_art", 1_280_122_792), ("tp", 1_402_269_992)])
+def test_release_non_expert_weights_equal_the_budget(placement, gb):
+    """The release model as compile_tpu builds it (abstract, placed on v5e:2x4; nothing compiled): its non-expert
+    weights per chip equal the memory budget's per class (README "Memory budget": 1.28 GB prior_art, 1.40 GB tp)."""
+    config = glm53_flash.get_config()
+    cfg = model_config_from_dict(config.model)
+    quant = QuantConfig(experts="ud_iq3_xxs", layout="planes", moe_impl="pallas_tpu")
+    mesh = tpu.topology_mesh("v5e:2x4", (1, 8), ("data", "model"))
+    model = compile_tpu.abstract_model(cfg, quant, mesh, placement)
+    budget = {k: v["bytes_per_device"] for k, v in non_expert_by_class(cfg, 8, placement).items()}
+    assert compile_tpu.weights_by_class(model) == budget
+    assert sum(budget.values()) == gb

@@ -1,11 +1,16 @@
 """What the real model costs a TPU slice, from the real compiler on any host (libtpu's Mosaic and XLA:TPU against
 the abstract devices of a topology, `glm53.testing.tpu`; nothing is allocated).
 
-The model is `Glm53Model` built abstractly on the topology's mesh by the experiment config's rules
-(`glm53.parallel.abstract_sharded_model`): routed experts as GGUF planes (`QuantizedExperts` of the config's
-mix), the non-expert matrices as the memory budget stores them (`glm53.memory.weights.STORAGE`: the Linear
-kernels of an int8 class as `Int8Weight`, everything else at bf16; the MTP block is not served), the caches of
-`context` tokens per stream (`init_cache` placed by `cache_shardings`). Programs, each with a donated cache:
+The model is `Glm53Model` built abstractly on the topology's mesh (`glm53.parallel.abstract_sharded_model`):
+routed experts as GGUF planes (`QuantizedExperts` of the config's mix), every other parameter as the memory
+budget stores it (`glm53.memory.weights.storage_value`: the matrices of an int8 class as `Int8Weight`,
+int8 + f32 scale per output channel, the embedding as `Int8Rows`, int8 + f32 scale per vocabulary row; every
+other tensor in its class's dtype: router kernel and mHC fn bf16, norms and the KDA / mHC vectors f32; the MTP
+block is not served) and placed as a memory-budget placement says (`glm53.memory.placement`; default: the one of
+the config's `mesh.rules`, "tp" | "ep"; "prior_art" adds the prior art's conv-state and low-rank splits), so the
+non-expert bytes per device equal the budget's (`weights_by_class` vs `non_expert_by_class`); the caches of
+`context` tokens per stream (`init_cache` placed by `cache_shardings` under the placement's rules). Programs,
+each with a donated cache:
 
   decode   one token for each of B streams (one program per stream count)
   prefill  P tokens of one stream into a one-stream cache (one program per bucket)
@@ -37,9 +42,9 @@ from glm53.build import quant_from_experiment_config
 from glm53.config import ModelConfig, mesh_config_from_dict, model_config_from_dict
 from glm53.layers.param import path_str
 from glm53.memory.inventory import tensor_class
-from glm53.memory.weights import STORAGE
+from glm53.memory.placement import PLACEMENTS, Placement, get_placement
+from glm53.memory.weights import STORAGE, non_expert_by_class, storage_value, tensor_rules
 from glm53.model import Glm53Model
-from glm53.quant.int8 import Int8Weight
 from glm53.quant.qweight import QuantizedExperts
 from glm53.testing import tpu
 
@@ -49,7 +54,8 @@ COMPOSE = ("kinds", "full")
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """What to compile: topology, expert mix and layout, stream counts (decode), prefill buckets, context per
-    stream, layers (0: all; n: n consecutive layers from the last dense one), compose mode, the census."""
+    stream, layers (0: all; n: n consecutive layers from the last dense one), compose mode, the census, the
+    memory-budget placement ("": the config's mesh.rules)."""
 
     topology: str = "v5e:2x4"
     experts: str = "ud_iq3_xxs"
@@ -60,10 +66,15 @@ class Settings:
     layers: int = 0
     compose: str = "kinds"
     census: bool = True
+    placement: str = ""
 
     def __post_init__(self):
         if self.compose not in COMPOSE:
             raise ValueError(f"--compose={self.compose!r}: expected one of {COMPOSE}")
+        if self.placement and self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"--placement={self.placement!r}: expected one of {sorted(PLACEMENTS)} (or empty)"
+            )
         if not (self.streams or self.prefill) or min((*self.streams, *self.prefill)) < 1:
             raise ValueError(
                 f"--streams / --prefill must be positive (one may be empty), got {self.streams} / {self.prefill}"
@@ -88,18 +99,16 @@ def reduced_model_config(model: ml_collections.ConfigDict, layers: int) -> Model
     return model_config_from_dict(d)
 
 
-def _int8_kernel(path: str, value) -> bool:
-    """A Linear kernel of a tensor class the memory budget stores as int8."""
-    return (
-        path.endswith(".kernel")
-        and not isinstance(value, QuantizedExperts)
-        and len(value.shape) >= 2
-        and STORAGE[tensor_class(path)].dtype == "int8"
-    )
+def _placement(placement: str | Placement | S.Rules) -> Placement:
+    if isinstance(placement, S.Rules):
+        return Placement(placement.name, placement, None, f"rule set {placement.name!r}")
+    return get_placement(placement)
 
 
-def abstract_model(cfg: ModelConfig, quant, mesh, rules: S.Rules) -> Glm53Model:
-    """The served model (no MTP block) as ShapeDtypeStructs on `mesh`, stored as the module docstring says."""
+def abstract_model(cfg: ModelConfig, quant, mesh, placement: str | Placement | S.Rules) -> Glm53Model:
+    """The served model (no MTP block) as ShapeDtypeStructs on `mesh`, stored and placed as the module docstring
+    says (`placement`: a memory-budget placement, or a rule set for every tensor)."""
+    place = _placement(placement)
 
     def build():
         with nnx.var_defaults(
@@ -108,23 +117,35 @@ def abstract_model(cfg: ModelConfig, quant, mesh, rules: S.Rules) -> Glm53Model:
             rngs = nnx.Rngs(0)
         return Glm53Model(cfg, rngs=rngs, dtype=jnp.bfloat16, quant=quant, with_mtp=False)
 
-    graphdef, state = nnx.split(S.abstract_sharded_model(build, mesh, rules, moe_dispatch=False))
+    graphdef, state = nnx.split(S.abstract_sharded_model(build, mesh, place.rules, moe_dispatch=False))
 
-    def storage(path, var):
-        v = var.get_value()
-        if _int8_kernel(path_str(path), v):
-            scale = (*v.shape[:-2], v.shape[-1])
-            v = Int8Weight(
-                jax.ShapeDtypeStruct(v.shape, jnp.int8),
-                jax.ShapeDtypeStruct(scale, jnp.float32),
-                np.dtype(jnp.bfloat16),
+    def stored(path, var):
+        what = f"parameter {path_str(path)}"
+        axes = S.param_axes(var, what)
+        v = storage_value(path_str(path), var.get_value())
+        dtype = STORAGE.get(tensor_class(path_str(path)))
+        rules = place.rules if dtype is None else tensor_rules(axes, dtype.dtype, place)
+        leaves = S.value_leaf_axes(v, axes, what)
+        placed = [
+            jax.ShapeDtypeStruct(
+                leaf.shape, leaf.dtype, sharding=S.logical_to_sharding(a, mesh, rules, d, what)
             )
-        return var.replace(value=v)
+            for leaf, a, d in leaves
+        ]
+        return var.replace(value=jax.tree.unflatten(jax.tree.structure(v), placed))
 
-    state = nnx.from_flat_state([(p, storage(p, v)) for p, v in nnx.to_flat_state(state)])
-    shardings = S.state_shardings(state, mesh, rules)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
-    return S.wrap_moe_layers(nnx.merge(graphdef, state), mesh, rules)
+    state = nnx.from_flat_state([(p, stored(p, v)) for p, v in nnx.to_flat_state(state)])
+    return S.wrap_moe_layers(nnx.merge(graphdef, state), mesh, place.rules)
+
+
+def weights_by_class(model: nnx.Module) -> dict[str, int]:
+    """{tensor class: bytes one device holds} of the model's non-expert parameters (routed experts excluded)."""
+    out: dict[str, int] = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        cls = tensor_class(path_str(path))
+        if cls != "routed_experts":
+            out[cls] = out.get(cls, 0) + device_bytes(var.get_value())
+    return dict(sorted(out.items()))
 
 
 def device_bytes(tree) -> int:
@@ -163,6 +184,7 @@ class Unit:
     layers: list[int]
     weights: dict
     cache: int
+    prefix: str = ""  # of the parameter paths in the unit's state (args[0]): "layers.<i>." in a layer
 
     @property
     def count(self) -> int:
@@ -238,10 +260,9 @@ def programs(
         sig = tuple((jax.tree_util.keystr(k), a.shape, str(a.dtype), a.sharding.spec) for k, a in leaves)
         key = (_layer_kind(layer), sig)
         if key not in units:
-            step = lambda s, x, c, start, sel, fn=fn: fn(s, x, cache=c, start_b=start, selection=sel)  # noqa: E731
-            units[key] = Unit(
-                key[0], step, args, (2,), [], _split_weights(state), device_bytes(cache.layers[i])
-            )
+            step = lambda state, x, c, start, sel, fn=fn: fn(state, x, cache=c, start_b=start, selection=sel)  # noqa: E731
+            weights, cache_bytes = _split_weights(state), device_bytes(cache.layers[i])
+            units[key] = Unit(key[0], step, args, (2,), [], weights, cache_bytes, f"layers.{i}.")
         units[key].layers.append(i)
         if layer.attn_kind == "dsa" and not shared and "shared" in cfg.indexer_types[i + 1 :]:
             sel = jax.eval_shape(units[key].fn, *args)[2]
@@ -250,7 +271,8 @@ def programs(
 
 
 def compile_unit(unit: Unit) -> tuple[dict, jax.stages.Lowered | None]:
-    """Lower and compile one unit for the mesh's devices: times and `compiled_hlo.analyse`, or the error."""
+    """Lower and compile one unit for the mesh's devices: times and `compiled_hlo.analyse` (its entry
+    parameters summed by tensor class: `weights_compiled`), or the error."""
     t0 = time.perf_counter()
     lowered = jax.jit(unit.fn, donate_argnums=unit.donate).lower(*unit.args)
     t1 = time.perf_counter()
@@ -261,6 +283,9 @@ def compile_unit(unit: Unit) -> tuple[dict, jax.stages.Lowered | None]:
         return dict(out, compile_s=time.perf_counter() - t1, error=f"{type(e).__name__}: {e}"[:2000]), None
     out["compile_s"] = time.perf_counter() - t1
     out.update(compiled_hlo.analyse(lowered, compiled))
+    params = out.pop("parameters")
+    out["weights_compiled"] = compiled_hlo.parameter_classes(params, unit.prefix)
+    out["parameter_bytes"] = sum(p["bytes"] for p in params)
     return out, lowered
 
 
@@ -324,11 +349,16 @@ def run(
     mesh_cfg = mesh_config_from_dict(config.mesh)
     devices = tpu.topology_devices(settings.topology)
     mesh = tpu.topology_mesh(settings.topology, mesh_cfg.resolved_shape(len(devices)), mesh_cfg.axes)
-    rules = S.get_rules(mesh_cfg.rules)
+    place = get_placement(settings.placement or mesh_cfg.rules)
+    rules = place.rules
     S.check_config(cfg, mesh, rules)
     t0 = time.perf_counter()
-    model = abstract_model(cfg, quant, mesh, rules)
+    model = abstract_model(cfg, quant, mesh, place)
     build_s = time.perf_counter() - t0
+    model_by_class = weights_by_class(model)
+    budget_by_class = {
+        k: r["bytes_per_device"] for k, r in non_expert_by_class(cfg, len(devices), place).items()
+    }
     shapes = [("decode", b, 1) for b in settings.streams] + [("prefill", 1, p) for p in settings.prefill]
     results, first = [], None
     for phase, batch, tokens in shapes:
@@ -361,6 +391,11 @@ def run(
             else:
                 ok = [dict(r, weights=sum(r["weights"].values()), stats=r) for r in rows]
             prog["total"] = compiled_hlo.compose(ok)
+            by_class: dict[str, int] = {}
+            for r in rows:
+                for cls, n in r["weights_compiled"].items():
+                    by_class[cls] = by_class.get(cls, 0) + n * r["count"]
+            prog["total"]["weights_compiled"] = dict(sorted(by_class.items()))
             prog["total"]["cache_per_stream"] = prog["total"]["cache"] // batch
             fixed = prog["total"]["total"] - prog["total"]["cache"]
             prog["total"]["context_sets_fit"] = max(
@@ -382,8 +417,12 @@ def run(
             topology=settings.topology,
             shape=dict(mesh.shape),
             rules=rules.name,
+            placement=place.name,
             device_kind=devices[0].device_kind,
         ),  # fmt: skip
+        # non-expert weight bytes per device by tensor class: the placed model, its compiled programs, the budget
+        # (glm53.memory.weights.non_expert_by_class: same config, devices and placement, on its 1 x n mesh)
+        non_expert_weights=_non_expert_weights(model_by_class, budget_by_class, results),
         chip=compiled_hlo.V5E,
         programs=results,
     )
@@ -401,6 +440,22 @@ def run(
             **census(first[0], first[1], jax.config.jax_compilation_cache_dir),
         )
     return out
+
+
+def _non_expert_weights(model: dict, budget: dict, programs: list[dict]) -> dict:
+    """Non-expert weight bytes per device by tensor class: `model` (the placed parameters), `compiled` (the
+    entry parameters of the first program that compiled whole, every layer counted) and `budget`."""
+    compiled = next((p["total"]["weights_compiled"] for p in programs if "total" in p), None)
+    if compiled is not None:
+        compiled = {k: v for k, v in compiled.items() if k != "routed_experts"}
+    return dict(
+        model=model,
+        compiled=compiled,
+        budget=budget,
+        model_total=sum(model.values()),
+        compiled_total=None if compiled is None else sum(compiled.values()),
+        budget_total=sum(budget.values()),
+    )
 
 
 def table(result: dict) -> str:

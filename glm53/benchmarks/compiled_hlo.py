@@ -5,11 +5,13 @@ programs of its layer kinds."""
 from __future__ import annotations
 
 import base64
+import math
 import re
 from collections.abc import Mapping
 
 import jax
 
+from glm53.memory.inventory import tensor_class
 from glm53.testing import tpu
 
 GIB = 1 << 30
@@ -45,6 +47,50 @@ def mosaic_gathers(lowered_text: str) -> list[int]:
     return counts
 
 
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
+# `%param.1 = s8[128,256]{1,0:T(32,128)(4,1)} parameter(0), sharding=..., metadata={op_name="state[..]..."}`
+_PARAMETER = re.compile(r"^\s*%?[\w.\-]+ = (\w+)\[([\d,]*)\](?:\{[^}]*\})? parameter\((\d+)\)(.*)$")
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+
+
+def entry_parameters(hlo_text: str) -> list[dict]:
+    """The parameters of a compiled (SPMD-partitioned) HLO module's ENTRY computation, by number: element type,
+    per-device shape, bytes (without the layout's tile padding, which `memory_analysis` counts) and the jit
+    argument path the parameter came from (its op_name, e.g. "state['embed']['embedding'].value.values")."""
+    start = hlo_text.index("\nENTRY ")
+    end = hlo_text.find("\n}", start)
+    out = []
+    for line in hlo_text[start : None if end < 0 else end].splitlines():
+        m = _PARAMETER.match(line)
+        if m is None:
+            continue
+        dtype, dims_, index, rest = m.groups()
+        shape = tuple(int(d) for d in dims_.split(",") if d)
+        name = _OP_NAME.search(rest)
+        out.append(dict(index=int(index), dtype=dtype, shape=shape,
+                        bytes=math.prod(shape) * _DTYPE_BYTES[dtype],
+                        name=name.group(1).replace("\\'", "'") if name else ""))  # fmt: skip
+    return sorted(out, key=lambda p: p["index"])
+
+
+_KEY = re.compile(r"\['([^']*)'\]|\[(\d+)\]")
+
+
+def parameter_classes(parameters: list[dict], prefix: str = "") -> dict[str, int]:
+    """{tensor class: bytes per device} of a compiled program's weights: its entry parameters
+    (`entry_parameters`) that come from the state argument (args[0], named "state"), whose
+    parameter paths are `prefix` + the path within the state."""
+    out: dict[str, int] = {}
+    for p in parameters:
+        if not p["name"].startswith("state["):
+            continue
+        keys = p["name"].split(".value", 1)[0]
+        cls = tensor_class(prefix + ".".join(a or b for a, b in _KEY.findall(keys)))
+        out[cls] = out.get(cls, 0) + p["bytes"]
+    return dict(sorted(out.items()))
+
+
 def _cost(compiled: jax.stages.Compiled) -> dict:
     c = compiled.cost_analysis()
     c = c[0] if isinstance(c, (list, tuple)) else c
@@ -59,16 +105,18 @@ def roofline(flops: float, bytes_accessed: float, chip: Mapping = V5E) -> dict:
 
 
 def analyse(lowered: jax.stages.Lowered, compiled: jax.stages.Compiled) -> dict:
-    """Per-device memory (tpu.memory_stats), cost and roofline, collectives by kind, Mosaic kernels and their
-    gathers of one compiled program."""
+    """Per-device memory (tpu.memory_stats), entry parameters, cost and roofline, collectives by kind, Mosaic
+    kernels and their gathers of one compiled program."""
     mem = tpu.memory_stats(compiled)
     cost = _cost(compiled)
     gathers = mosaic_gathers(lowered.as_text())
+    text = compiled.as_text()
     return dict(
         memory=mem,
+        parameters=entry_parameters(text),
         cost=cost,
         roofline=roofline(cost["flops"], cost["bytes_accessed"]),
-        collectives=collectives(compiled.as_text()),
+        collectives=collectives(text),
         mosaic_kernels=tpu.mosaic_kernels(compiled),
         mosaic_gathers=dict(kernels=len(gathers), dynamic_gather=sum(gathers), per_kernel=gathers),
     )

@@ -8,6 +8,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AbstractMesh
 
 from glm53 import dims
@@ -23,6 +26,8 @@ from glm53.memory.placement import (
 from glm53.parallel.rules import Rules, axis_size, logical_to_spec
 from glm53.quant import budget as qbudget
 from glm53.quant.formats import get_format
+from glm53.quant.int8 import Int8Rows, Int8Weight
+from glm53.quant.qweight import QuantizedExperts
 from glm53.quant.reencode import REENCODED
 
 
@@ -57,6 +62,30 @@ STORAGE: dict[str, Storage] = {
 VISION_STORAGE = Storage("bf16", "vision tower at bf16 split evenly (the article's rule)")
 
 
+_JNP_DTYPES = {"int8": jnp.int8, "bf16": jnp.bfloat16, "f32": jnp.float32}
+
+
+def storage_value(path: str, value, dtype=jnp.bfloat16):
+    """Parameter `path`'s abstract value (a ShapeDtypeStruct) as STORAGE holds it: a matrix of an int8 class as
+    `Int8Weight` (f32 scale per output channel), the embedding as `Int8Rows` (f32 scale per vocabulary row), both
+    dequantizing to `dtype`; any other class in its dtype. Routed experts (no STORAGE class) come back as they
+    are. What glm53/benchmarks/compile_tpu.py compiles, so that its bytes are the budget's."""
+    cls = tensor_class(path)
+    if isinstance(value, QuantizedExperts) or cls not in STORAGE:
+        return value
+    kind = STORAGE[cls].dtype
+    if kind != "int8":
+        return jax.ShapeDtypeStruct(value.shape, _JNP_DTYPES[kind])
+    values = jax.ShapeDtypeStruct(value.shape, jnp.int8)
+    if cls == "embedding" and len(value.shape) == 2:  # a lookup table: one scale per row (vocabulary entry)
+        return Int8Rows(values, jax.ShapeDtypeStruct(value.shape[:1], jnp.float32), np.dtype(dtype))
+    if len(value.shape) < 2:
+        raise ValueError(f"{path}: tensor class {cls!r} is stored int8 but {value.shape} is not a matrix")
+    return Int8Weight(
+        values, jax.ShapeDtypeStruct((*value.shape[:-2], value.shape[-1]), jnp.float32), np.dtype(dtype)
+    )
+
+
 def _held(shape, axes, rules: Rules, mesh: AbstractMesh) -> tuple[int, bool]:
     """(elements one device holds of a tensor with logical `axes` under `rules`, whether a dimension was kept
     whole because its mesh axes do not divide it)."""
@@ -66,11 +95,19 @@ def _held(shape, axes, rules: Rules, mesh: AbstractMesh) -> tuple[int, bool]:
     return math.prod(s // k if s % k == 0 else s for s, k in zip(shape, n)), indivisible
 
 
-def _rules_for(t: Tensor, storage: Storage, placement: Placement) -> Rules:
-    whole = not any(placement.rules.mesh_axes(a) for a in t.axes)
-    if whole and storage.dtype == "int8" and placement.whole_matrices is not None:
+def tensor_rules(axes, dtype: str, placement: str | Placement) -> Rules:
+    """The rule set a tensor with logical `axes` stored as `dtype` ("int8" | "bf16" | "f32") is split by under
+    `placement`: its `rules`, or `whole_matrices` for an int8 tensor that `rules` leaves whole (the prior art's
+    low-rank split). The compiled model places its parameters with this too (glm53/benchmarks/compile_tpu.py)."""
+    placement = get_placement(placement)
+    whole = not any(placement.rules.mesh_axes(a) for a in axes)
+    if whole and dtype == "int8" and placement.whole_matrices is not None:
         return placement.whole_matrices
     return placement.rules
+
+
+def _rules_for(t: Tensor, storage: Storage, placement: Placement) -> Rules:
+    return tensor_rules(t.axes, storage.dtype, placement)
 
 
 def tensor_device_bytes(

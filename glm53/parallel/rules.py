@@ -56,7 +56,7 @@ from glm53.config import ModelConfig
 from glm53.config.mesh import MeshConfig, mesh_config_from_dict
 from glm53.errors import ShardingError
 from glm53.layers.param import path_str
-from glm53.quant.int8 import Int8Weight
+from glm53.quant.int8 import Int8Rows, Int8Weight
 from glm53.quant.qweight import QuantizedExperts
 
 # Logical names of activation / cache axes (parameters use the names of glm53.dims).
@@ -225,6 +225,7 @@ def value_leaf_axes(
 
     Arrays: their own axes. QuantizedExperts: every plane [E, words, rows] takes the kernel's axes; the word axis
     must split whole input blocks. Int8Weight: values take the kernel's axes, the scale drops the input axis.
+    Int8Rows (an int8 lookup table): values take the table's axes, the scale [rows] its row axis.
     """
     if isinstance(value, QuantizedExperts):
         p = value.planes
@@ -235,6 +236,11 @@ def value_leaf_axes(
         return [
             (value.values, axes, tuple(value.values.shape)),
             (value.scale, scale_axes, tuple(value.scale.shape)),
+        ]
+    if isinstance(value, Int8Rows):
+        return [
+            (value.values, axes, tuple(value.values.shape)),
+            (value.scale, axes[:1], tuple(value.scale.shape)),
         ]
     leaves = jax.tree.leaves(value)
     for leaf in leaves:

@@ -5,6 +5,9 @@ of a Linear ``kernel`` Param: ``kernel[...]`` returns the dequantized matrix, so
 directly keeps working, and `Linear` multiplies by the int8 values and rescales the product instead.
 
     w[..., i, o] ~= values[..., i, o] * scale[..., o]        values in [-127, 127]
+
+`Int8Rows` is the same for a lookup table (the embedding): int8 rows + one f32 scale per row; a lookup gathers
+int8 rows and dequantizes only those.
 """
 
 from __future__ import annotations
@@ -83,3 +86,53 @@ def dequantize_rows(values: jax.Array, scale: jax.Array | None, dtype) -> jax.Ar
     if scale is None:
         return values.astype(dtype)
     return (values.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]).astype(dtype)
+
+
+# ----------------------------------------------------------------------------------- looked-up rows (the embedding)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int8Rows:
+    """Symmetric int8 table [R, C] with one f32 scale per row [R]: a lookup table (the embedding) stored as the
+    memory budget says (`glm53.memory.weights.STORAGE["embedding"]`). `take(ids)` gathers the int8 rows and their
+    scales and dequantizes only those; ``table[...]`` dequantizes the whole table.
+
+        w[r, c] ~= values[r, c] * scale[r]        values in [-127, 127]
+    """
+
+    values: jax.Array  # int8 [R, C]
+    scale: jax.Array  # f32 [R]
+    dtype: np.dtype = dataclasses.field(default=np.dtype(np.float32), metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.values.shape)
+
+    def dequantize(self, dtype=None) -> jax.Array:
+        """values * scale in f32, cast to `dtype` (default: the dtype the table was quantized from)."""
+        return dequantize_rows(self.values, self.scale, self.dtype if dtype is None else dtype)
+
+    def __getitem__(self, idx) -> jax.Array:
+        return self.dequantize()[idx]
+
+    def astype(self, dtype) -> jax.Array:
+        return self.dequantize(dtype)
+
+    def take(self, ids: jax.Array, dtype=None) -> jax.Array:
+        """Rows `ids` [...] -> [..., C]: the int8 rows and their scales gathered, then dequantized (in f32, cast
+        to `dtype`, default the table's): what `jnp.take(w, ids, axis=0)` is for the dense table."""
+        values = jnp.take(self.values, ids, axis=0)
+        scale = jnp.take(self.scale, ids, axis=0)
+        return dequantize_rows(values, scale, self.dtype if dtype is None else dtype)
+
+
+def quantize_int8_rows(w, dtype=None) -> Int8Rows:
+    """Symmetric per-row quantization of a table w [R, C] (`quantize_rows`: scale[r] = max_c |w[r, c]| / 127, 1 for
+    an all-zero row). `dtype` records the dtype `dequantize()` / `take()` return by default (default: w's)."""
+    if np.ndim(w) != 2:
+        raise ValueError(f"quantize_int8_rows: need a table [rows, cols], got shape {np.shape(w)}")
+    values, scale = quantize_rows(jnp.asarray(w, jnp.float32))
+    return Int8Rows(values, scale, np.dtype(w.dtype if dtype is None else dtype))
