@@ -19,8 +19,8 @@ from test_moe_pallas import LIMIT, case_data
 
 from configs import glm53_flash
 from glm53 import parallel as S
-from glm53.config import QuantConfig, model_config_from_dict
 from glm53.benchmarks.compiled_hlo import collectives
+from glm53.config import QuantConfig, model_config_from_dict
 from glm53.model import Glm53Model
 from glm53.quant.qweight import QuantizedExperts
 from glm53.testing import tpu
