@@ -117,6 +117,8 @@ def cache_shardings(cache, mesh: Mesh, rules: str | Rules):
     n_batch = axis_size(mesh, rules.mesh_axes(BATCH), "cache batch")
 
     def sh(axes, a, what):
+        if a.size == 0:  # an empty leaf (a float latent's scales, a shared indexer's rows): replicated, as jit places it
+            return logical_to_sharding((None,) * a.ndim, mesh, rules, a.shape, what)
         if a.shape[0] % n_batch:
             axes = (None, *axes[1:])
         return logical_to_sharding(axes, mesh, rules, a.shape, what)
