@@ -80,6 +80,13 @@ def test_totals(result):
         assert t["hbm"] == 16 * (1 << 30) and t["fits"]
         assert t["context_sets_fit"] >= 1 and t["cache_per_stream"] == t["cache"] // p["streams"]
         assert t["mosaic_kernels"] == 2 and t["cost"]["bytes_accessed"] > 0
+        # the expert kernels' reads: min(T * top-8, 288) experts of the MoE layer's planes, on top of XLA's count
+        slots = min(p["streams"] * p["tokens"] * 8, 288)
+        moe = units[2]
+        assert moe["expert_reads"] == moe["weights"]["routed_experts"] // 288 * slots > 0
+        assert t["expert_bytes_read"] == moe["expert_reads"]
+        assert t["cost"]["bytes_accessed"] == t["cost"]["bytes_accessed_xla"] + t["expert_bytes_read"]
+        assert t["roofline"]["memory_s"] == pytest.approx(t["cost"]["bytes_accessed"] / 819e9)
 
 
 def test_census(result):

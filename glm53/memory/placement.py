@@ -5,8 +5,9 @@ the prior art, a second one for the int8 matrices the first leaves whole), appli
   "prior_art"  the layout of the prior art whose measurement the budget is compared with
                (`glm53.memory.prior_art`): MLA latent / indexer caches sequence-sharded by pool, the KDA conv
                state split by channel, the low-rank down-projections split along their output axis.
-  "tp", "ep"   what the model runs with `config.mesh.rules` = "tp" | "ep": the low-rank down-projections, the
-               MLA latent / indexer caches and the KDA conv state replicated over "model".
+  "tp", "ep"   what the model runs with `config.mesh.rules` = "tp" | "ep": the MLA latent / pooled indexer
+               caches sequence-sharded too (glm53/parallel/dsa.py), the low-rank down-projections and the KDA
+               conv state replicated over "model".
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ PLACEMENTS: dict[str, Placement] = {
             prior_art.PRIOR_ART_LOW_RANK_RULES,
             "the prior art's layout: caches sequence-sharded, low-rank down-projections split by output",
         ),
-        Placement("tp", TP_RULES, None, "the model's tp rules: low-rank projections and caches replicated"),
+        Placement("tp", TP_RULES, None, "the model's tp rules: caches sequence-sharded, low-rank projections and conv state replicated"),
         Placement("ep", EP_RULES, None, "the model's ep rules: whole experts per device, otherwise as tp"),
     )
 }

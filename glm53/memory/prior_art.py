@@ -141,12 +141,12 @@ def comparison(out: dict, article_sum: float, itemised: int, residual: float) ->
     )
     detail_ctx = (
         f"KDA state {_gb(ctx['kda_state']):.4f} + conv {_gb(ctx['kda_conv']):.4f} + MLA latent "
-        f"{_gb(ctx['mla_latent']):.4f} + pooled keys {_gb(ctx['indexer_pooled_keys']):.4f} + open-pool "
+        f"{_gb(ctx['mla_latent']):.4f} + pooled keys {_gb(ctx['indexer_pooled_keys']):.4f} + recent "
         f"keys/gates {_gb(ctx['indexer_keys_gates']):.6f} GB; per-token keys and gates at full length would "
         f"make it {_gb(alt['indexer_full']):.3f} GB, a bf16 latent {_gb(alt['latent_bf16']):.3f} GB"
     )
     if "context_set" in tp:
-        detail_ctx += f"; replicated as under the tp rules {_gb(tp['context_set']):.3f} GB"
+        detail_ctx += f"; under the tp rules (conv state replicated) {_gb(tp['context_set']):.3f} GB"
     rows = [  # (quantity, ours, reference, decimals, why it would differ, unit)
         ("total parameters", c["total_params"], r["total_params"], None, shapes, "params"),
         ("routed-expert parameters", c["routed_expert_params"], r["routed_expert_params"], None, shapes,

@@ -39,8 +39,24 @@ from kernels.sparse_mla import gather
 
 
 def write_local(cache_bsx: jnp.ndarray, new_btx: jnp.ndarray, start_b: jnp.ndarray) -> jnp.ndarray:
-    """Writes new rows at local rows start_b[b] + t of each stream; rows outside this shard are dropped."""
+    """Writes new rows at local rows start_b[b] + t of each stream; rows outside this shard are dropped.
+
+    One token per stream (decode): a conditional in-place update per stream, so the shard that does not own the
+    row writes nothing and no device copies its cache (a masked scatter is lowered as a select against the old
+    row, which makes XLA copy the whole shard every step). Several tokens (prefill): a scatter that drops the
+    rows of other shards."""
     t = new_btx.shape[1]
+    if t == 1:
+        for b in range(cache_bsx.shape[0]):
+            s0 = start_b[b]
+            row = new_btx[b : b + 1].astype(cache_bsx.dtype)
+            cache_bsx = jax.lax.cond(
+                (s0 >= 0) & (s0 < cache_bsx.shape[1]),
+                lambda c, r=row, s0=s0: jax.lax.dynamic_update_slice(c, r, (b, s0) + (0,) * (c.ndim - 2)),
+                lambda c: c,
+                cache_bsx,
+            )
+        return cache_bsx
 
     def one(c, n, s0):
         idx = s0 + jnp.arange(t)
