@@ -80,17 +80,18 @@ def indexer_margins(model, tokens: list[int]) -> np.ndarray:
 
     from glm53.layers import indexer
 
-    select, seen = indexer.select_pools, []
+    select, seen = indexer.select_pools_blocked, []
 
-    def spy(scores_btp, q_pos_bt, *, kpool, num_select):
-        seen.append((np.asarray(scores_btp), np.asarray(q_pos_bt), kpool, num_select))
-        return select(scores_btp, q_pos_bt, kpool=kpool, num_select=num_select)
+    def spy(iq, w, pooled, q_pos_bt, *, kpool, num_select, **kw):
+        scores = indexer.pool_scores(iq, w, pooled)  # every pool's score, as the blocks see them
+        seen.append((np.asarray(scores), np.asarray(q_pos_bt), kpool, min(num_select, pooled.shape[1])))
+        return select(iq, w, pooled, q_pos_bt, kpool=kpool, num_select=num_select, **kw)
 
-    indexer.select_pools = spy
+    indexer.select_pools_blocked = spy
     try:
         model(jnp.asarray([tokens], jnp.int32))
     finally:
-        indexer.select_pools = select
+        indexer.select_pools_blocked = select
     gaps = []
     for scores_btp, q_pos_bt, kpool, k in seen:
         for s_p, q in zip(scores_btp[0], q_pos_bt[0]):

@@ -95,8 +95,7 @@ def test_auto_on_cpu():
     """What "auto" runs on a CPU backend, per op (the reference where no CPU implementation is registered)."""
     assert dispatch.resolve("chunk_kda", "auto", kda.IMPLEMENTATIONS, kda._AUTO, "cpu") == "xla_cpu"
     assert dispatch.resolve("mhc_pre", "auto", ("auto", "reference", "xla_cpu"), mhc._AUTO, "cpu") == "xla_cpu"
-    for mod in (sparse_mla,):
-        assert dispatch.resolve("op", "auto", ("auto", "reference"), mod._AUTO, "cpu") == "reference"
+    assert dispatch.resolve("sparse_mla", "auto", ("auto", "reference", "gather"), sparse_mla._AUTO, "cpu") == "gather"
 
 
 def test_unknown_implementation_raises():

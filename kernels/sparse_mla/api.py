@@ -15,9 +15,10 @@ The latent cache may be stored as int8 with one f32 scale per cached row (`laten
 implementation dequantizes it and casts the rows to q's dtype before its f32 math.
 
 Implementations of `sparse_mla`: "reference" (masked dense attention over every cached row, the oracle),
-"gather" (`gather.py`: gathers the selected pools' rows only, O(index_topk) rows per query) and "auto": on every
-backend "gather" when the selection's rows ((K + 1) * kpool) are fewer than the cached rows S, else "reference"
-(a small cache is read whole faster than gathered). A named implementation that cannot take the inputs raises
+"gather" (`gather.py`: gathers the selected pools' rows only, O(index_topk) rows per query) and "auto": what
+`_AUTO` names for the backend ("gather" on every backend), except that a "gather" whose selection's rows
+((K + 1) * kpool) are no fewer than the cached rows S runs "reference" (a small cache is read whole faster than
+gathered). A named implementation that cannot take the inputs raises
 NotImplementedError, only "auto" falls back (`kernels.dispatch`). `sparse_mha` has the reference only.
 """
 
@@ -31,7 +32,7 @@ from kernels.sparse_mla import gather, reference
 
 _MLA = {"reference": reference.sparse_mla, "gather": gather.sparse_mla}
 _MHA = {"reference": reference.sparse_mha}
-_AUTO: dict[str, str] = {}  # backend -> implementation "auto" runs
+_AUTO: dict[str, str] = {"cpu": "gather", "gpu": "gather", "tpu": "gather"}  # backend -> what "auto" runs
 
 selection_mask = reference.selection_mask
 
@@ -91,10 +92,10 @@ def sparse_mla(
     if not int8 and not jnp.issubdtype(latent_bsr.dtype, jnp.floating):
         raise ValueError(f"sparse_mla: the latent must be floating or int8, got {latent_bsr.dtype}")
     kw = dict(kpool=kpool, scale=scale, select_tail=select_tail, latent_scale_bs=latent_scale_bs)
-    auto = _AUTO
-    if implementation == dispatch.AUTO:
-        rows = (pool_ids_btk.shape[2] + select_tail) * kpool
-        auto = {jax.default_backend(): "gather" if rows < latent_bsr.shape[1] else "reference"}
+    auto = dict(_AUTO)
+    backend = jax.default_backend()
+    if auto.get(backend) == "gather" and (pool_ids_btk.shape[2] + select_tail) * kpool >= latent_bsr.shape[1]:
+        auto[backend] = "reference"  # the selection's rows are no fewer than the cache's: read the cache whole
     return dispatch.call(
         "sparse_mla", implementation, _MLA, auto, q_bthr, latent_bsr, pool_ids_btk, q_pos_bt, **kw
     )
@@ -126,4 +127,5 @@ def sparse_mha(
     _check_selection("sparse_mha", b, t, pool_ids_btk, q_pos_bt, kpool)
     kw = dict(kpool=kpool, scale=scale, select_tail=select_tail)
     args = (q_bthc, k_bshc, v_bshe, pool_ids_btk, q_pos_bt)
-    return dispatch.call("sparse_mha", implementation, _MHA, _AUTO, *args, **kw)
+    auto = {b: name for b, name in _AUTO.items() if name in _MHA}  # "gather" is absorbed-form only
+    return dispatch.call("sparse_mha", implementation, _MHA, auto, *args, **kw)
