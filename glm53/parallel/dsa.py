@@ -52,7 +52,7 @@ def write_local(cache_bsx: jnp.ndarray, new_btx: jnp.ndarray, start_b: jnp.ndarr
             row = new_btx[b : b + 1].astype(cache_bsx.dtype)
             cache_bsx = jax.lax.cond(
                 (s0 >= 0) & (s0 < cache_bsx.shape[1]),
-                lambda c, r=row, s0=s0: jax.lax.dynamic_update_slice(c, r, (b, s0) + (0,) * (c.ndim - 2)),
+                lambda c, r=row, s0=s0, b=b: jax.lax.dynamic_update_slice(c, r, (b, s0) + (0,) * (c.ndim - 2)),
                 lambda c: c,
                 cache_bsx,
             )
