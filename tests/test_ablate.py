@@ -126,18 +126,19 @@ def test_latent_cache_variants(base, monkeypatch, tmp_path):
     base's exact f32 latent: a small KLD > 0 where the same model with an f32 latent cache (+latent_f32) gives
     exactly the F32 variant's figures; it composes with an expert format (Q8_0+latent_int8)."""
     d, _ = base
-    built = {}  # variant GGUF -> the latent_cache_dtype of every DSA layer of the model scored
+    models = {}  # variant GGUF -> the model loaded from it (the one scored; read after the run)
     real = pipeline.build.load_model
 
     def load_model(path, **kw):
         cfg, model = real(path, **kw)
-        dsa = [m for _, m in nnx.iter_graph(model) if isinstance(m, DSA)]
-        built[os.path.basename(path)] = {m.cfg.latent_cache_dtype for m in dsa}
+        models[os.path.basename(path)] = model
         return cfg, model
 
     monkeypatch.setattr(pipeline.build, "load_model", load_model)
     variants = "F32,F32+latent_f32,F32+latent_int8,Q8_0+latent_int8"
     r = pipeline.run(_config(d, variants=variants), str(tmp_path), log=lambda s: None)
+    # the latent_cache_dtype of every DSA layer of each model scored
+    built = {k: {m.cfg.latent_cache_dtype for _, m in nnx.iter_graph(v) if isinstance(m, DSA)} for k, v in models.items()}
     assert built == {"base_in.gguf": {"auto"}, "F32.gguf": {"auto"}, "F32+latent_f32.gguf": {"float32"},
                      "F32+latent_int8.gguf": {"int8"}, "Q8_0+latent_int8.gguf": {"int8"}}  # fmt: skip
     f32, f32_latent, int8_latent, q8_int8_latent = r["variants"]

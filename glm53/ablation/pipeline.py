@@ -322,10 +322,9 @@ def _variant(c, out, cfg, params, chunks, v: Variant, base, base_ll, imp) -> dic
     nbytes, nweights = expert_bytes(v, cfg)
     rel, rel_layers = weight_errors(path, params, cfg)
     quant = QuantConfig(experts=v.mix, layout=c.layout, moe_impl=c.moe_impl)
-    # +latent_*: the GGUF's config with the variant's latent cache layout (a forward without a cache builds a
-    # fresh one of that layout, so scoring attends over the stored latent); else the GGUF's config as is
-    vcfg = None if v.latent == "auto" else build.weights_config(path).replace(latent_cache_dtype=v.latent)
-    _, model = build.load_model(path, dtype=jnp.float32, with_mtp=False, quant=quant, cfg=vcfg)
+    _, model = build.load_model(path, dtype=jnp.float32, with_mtp=False, quant=quant)
+    if v.latent != "auto":  # +latent_*: a forward without a cache builds a fresh one of this layout, so scoring
+        model.set_latent_cache_dtype(v.latent)  # attends over the stored latent
     int8 = int8_non_experts(model) if v.int8 else 0
     ours = glm53_logits(model, chunks)
     del model

@@ -127,7 +127,8 @@ def pool_scores(iq_bthc: jnp.ndarray, w_bth: jnp.ndarray, pooled_bpc: jnp.ndarra
 def select_pools(
     scores_btp: jnp.ndarray, q_pos_bt: jnp.ndarray, *, kpool: int, num_select: int
 ) -> jnp.ndarray:
-    """Top-`num_select` candidate pools per query -> pool ids int32 [B, T, num_select] in score order, -1 = none.
+    """Top-`num_select` candidate pools per query -> pool ids int32 [B, T, num_select] in score order, -1 = none:
+    one top-k over every pool's scores (the layers run `select_pools_blocked`; this is its one-shot oracle).
 
     A pool p is a candidate for a query at position q iff it is complete at q: kpool*p + kpool-1 <= q.
     Ties go to the lower pool index.

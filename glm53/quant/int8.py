@@ -19,14 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Int8Weight:
-    """Symmetric int8 matrix [..., in, out] with one f32 scale per output column [..., out]."""
-
-    values: jax.Array  # int8 [..., in, out]
-    scale: jax.Array  # f32 [..., out]
-    dtype: np.dtype = dataclasses.field(default=np.dtype(np.float32), metadata=dict(static=True))
+class _Int8Array:
+    """What an int8 leaf (`values` + `scale`, `dequantize`) shows of the dense array it stands in for: its shape,
+    and ``leaf[...]`` / ``leaf.astype(dtype)`` dequantizing it whole."""
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -36,16 +31,26 @@ class Int8Weight:
     def ndim(self) -> int:
         return len(self.values.shape)
 
-    def dequantize(self, dtype=None) -> jax.Array:
-        """values * scale in f32, cast to `dtype` (default: the dtype the weight was quantized from)."""
-        w = self.values.astype(jnp.float32) * self.scale.astype(jnp.float32)[..., None, :]
-        return w.astype(self.dtype if dtype is None else dtype)
-
     def __getitem__(self, idx) -> jax.Array:
         return self.dequantize()[idx]
 
     def astype(self, dtype) -> jax.Array:
         return self.dequantize(dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int8Weight(_Int8Array):
+    """Symmetric int8 matrix [..., in, out] with one f32 scale per output column [..., out]."""
+
+    values: jax.Array  # int8 [..., in, out]
+    scale: jax.Array  # f32 [..., out]
+    dtype: np.dtype = dataclasses.field(default=np.dtype(np.float32), metadata=dict(static=True))
+
+    def dequantize(self, dtype=None) -> jax.Array:
+        """values * scale in f32, cast to `dtype` (default: the dtype the weight was quantized from)."""
+        w = self.values.astype(jnp.float32) * self.scale.astype(jnp.float32)[..., None, :]
+        return w.astype(self.dtype if dtype is None else dtype)
 
     def matmul(self, x: jax.Array, *, precision=None) -> jax.Array:
         """x @ w for x [..., in]: the product with the int8 values (in x.dtype) times the column scales."""
@@ -91,7 +96,7 @@ def dequantize_rows(values: jax.Array, scale: jax.Array | None, dtype) -> jax.Ar
 # ----------------------------------------------------------------------------------- looked-up rows (the embedding)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Int8Rows:
+class Int8Rows(_Int8Array):
     """Symmetric int8 table [R, C] with one f32 scale per row [R]: a lookup table (the embedding) stored as the
     memory budget says (`glm53.memory.weights.STORAGE["embedding"]`). `take(ids)` gathers the int8 rows and their
     scales and dequantizes only those; ``table[...]`` dequantizes the whole table.
@@ -103,23 +108,9 @@ class Int8Rows:
     scale: jax.Array  # f32 [R]
     dtype: np.dtype = dataclasses.field(default=np.dtype(np.float32), metadata=dict(static=True))
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.values.shape)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.values.shape)
-
     def dequantize(self, dtype=None) -> jax.Array:
         """values * scale in f32, cast to `dtype` (default: the dtype the table was quantized from)."""
         return dequantize_rows(self.values, self.scale, self.dtype if dtype is None else dtype)
-
-    def __getitem__(self, idx) -> jax.Array:
-        return self.dequantize()[idx]
-
-    def astype(self, dtype) -> jax.Array:
-        return self.dequantize(dtype)
 
     def take(self, ids: jax.Array, dtype=None) -> jax.Array:
         """Rows `ids` [...] -> [..., C]: the int8 rows and their scales gathered, then dequantized (in f32, cast
