@@ -101,7 +101,7 @@ def load_model(
 
 # config.model fields that say how the model runs, not what the weights are: taken from the experiment config
 # (`runtime_fields`), never compared with the weights' config.
-RUNTIME_FIELDS = ("latent_cache_dtype",)
+RUNTIME_FIELDS = ("latent_cache_dtype", "scan_layers")
 
 
 def runtime_fields(config) -> dict:

@@ -32,3 +32,4 @@ HC_FLAT = "hc_flat"  # hc_mult * hidden
 HC_MIX = "hc_mix"  # (2 + hc_mult) * hc_mult mixing logits
 HC_SCALE = "hc_scale"  # 3 scales
 NORM = "norm"  # vectors of norm weights / biases (replicated)
+LAYERS = "layers"  # the repeat axis of a scanned LayerStack's parameters and caches (never sharded)

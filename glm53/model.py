@@ -23,6 +23,7 @@ from glm53.layers.linear import Linear
 from glm53.layers.mtp import MTPBlock
 from glm53.layers.norm import RMSNorm
 from glm53.layers.param import param
+from glm53.layers.stack import LayerGroup, LayerStack, layer_groups
 from glm53.quant.int8 import Int8Rows
 
 
@@ -81,13 +82,14 @@ class Glm53Model(nnx.Module):
         self.dtype = dtype
         if quant is not None:
             kernels = {"moe": quant.moe_impl, **(kernels or {})}
+        self.quant = quant
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs, dtype=dtype)
-        self.layers = nnx.List(
-            [
-                DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, kernels=kernels, quant=quant)
-                for i in range(cfg.num_hidden_layers)
-            ]
-        )
+        layers = [
+            DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, kernels=kernels, quant=quant)
+            for i in range(cfg.num_hidden_layers)
+        ]  # built one by one (the same random values whatever the grouping), then grouped
+        self.groups = layer_groups(cfg, quant)
+        self.layers = nnx.List(_units(layers, self.groups))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs, dtype=dtype)
         self.lm_head = Linear(
             cfg.hidden_size, cfg.vocab_size, (dims.EMBED, dims.VOCAB), rngs=rngs, dtype=dtype
@@ -106,8 +108,41 @@ class Glm53Model(nnx.Module):
             if isinstance(getattr(m, "cfg", None), ModelConfig):
                 m.cfg = cfg
 
+    def set_scan_layers(self, value: bool) -> None:
+        """Regroups the trunk (`ModelConfig.scan_layers`, a runtime layout): True stacks every group of
+        `glm53.layers.stack.layer_groups` into a LayerStack, False unrolls them. Values move, none change."""
+        cfg = self.cfg.replace(scan_layers=bool(value))
+        groups = layer_groups(cfg, self.quant)
+        if groups != self.groups:
+            self.layers = nnx.List(_units(self.unrolled_layers(), groups))
+            self.groups = groups
+        for _, m in self.iter_modules():
+            if isinstance(getattr(m, "cfg", None), ModelConfig):
+                m.cfg = cfg
+
+    def unrolled_layers(self) -> list[DecoderLayer]:
+        """The trunk's layers in order as plain DecoderLayers (a stacked group's are sliced copies)."""
+        out = []
+        for unit in self.layers:
+            out.extend(unit.unstack() if isinstance(unit, LayerStack) else [unit])
+        return out
+
+    def layer(self, i: int) -> DecoderLayer:
+        """Trunk layer i as a plain DecoderLayer (itself when unrolled, a sliced copy when stacked)."""
+        u, g = self.unit_of(i)
+        unit = self.layers[u]
+        return unit.layer(i) if isinstance(unit, LayerStack) else unit
+
+    def unit_of(self, i: int) -> tuple[int, LayerGroup]:
+        """(index in self.layers, group) of trunk layer i."""
+        for u, g in enumerate(self.groups):
+            if i in g.layers:
+                return u, g
+        raise IndexError(f"layer {i}: the model has {self.cfg.num_hidden_layers} trunk layers")
+
     def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
-        """An empty cache for `batch` streams of up to `max_len` tokens each."""
+        """An empty cache for `batch` streams of up to `max_len` tokens each (one entry of `layers` per unit of
+        self.layers: a layer's cache, or a LayerStack's per-position caches stacked over its repeats)."""
         dtype = dtype or self.dtype
         layers = tuple(layer.init_cache(self.cfg, batch, max_len, dtype) for layer in self.layers)
         mtp = None if self.mtp is None else self.mtp.init_cache(batch, max_len, dtype)
@@ -125,8 +160,8 @@ class Glm53Model(nnx.Module):
         x = jnp.broadcast_to(e[:, :, None, :], (b, t, self.cfg.hc_mult, e.shape[-1]))
         selection = None
         new_layers = []
-        for i, layer in enumerate(self.layers):
-            layer_cache = None if cache is None else cache.layers[i]
+        for u, layer in enumerate(self.layers):
+            layer_cache = None if cache is None else cache.layers[u]
             x, layer_cache, selection = layer(x, cache=layer_cache, start_b=start_b, selection=selection)
             new_layers.append(layer_cache)
         h = self.norm(jnp.mean(x, axis=2))
@@ -155,6 +190,24 @@ class Glm53Model(nnx.Module):
         e = self.embed(next_tokens_bt)
         x, mtp_cache = self.mtp(h_btd, e, cache=cache.mtp, start_b=start_b)
         return self.logits(x[:, -1:] if last_only else x), cache.replace(mtp=mtp_cache)
+
+
+def _units(layers: list, groups) -> list:
+    """self.layers of a grouping: a plain layer per one-repeat group's layer, a LayerStack per scanned group."""
+    out = []
+    for g in groups:
+        ls = layers[g.first : g.first + g.period * g.repeats]
+        out.extend([LayerStack(ls, g)] if g.scanned else ls)
+    return out
+
+
+def layer_cache(model: Glm53Model, cache: Cache, i: int):
+    """Trunk layer i's cache in `cache` (a slice of its LayerStack's stacked cache when scanned)."""
+    u, g = model.unit_of(i)
+    if not g.scanned:
+        return cache.layers[u]
+    r, j = g.where(i)
+    return jax.tree.map(lambda x: x[r], cache.layers[u][j])
 
 
 def count_params(model: nnx.Module) -> int:

@@ -88,6 +88,9 @@ class ModelConfig:
     # given (the exact layouts parity is tested with), "float32" / "bfloat16", or "int8" with one f32 absmax
     # scale per cached token (lossy; the release config's serving layout).
     latent_cache_dtype: str = "auto"
+    # Runs of identical layers as one `jax.lax.scan` over stacked parameters (glm53/layers/stack.py; a runtime
+    # layout like latent_cache_dtype: checkpoints always name per-layer tensors). False: every layer unrolled.
+    scan_layers: bool = False
 
     # mHC.
     hc_mult: int = 4

@@ -43,6 +43,8 @@ def prepare_planes(value, axes, mesh: Mesh, rules: str | Rules, what: str = "exp
     `block_splits = n` (`planes.block_split_layout`); any other value unchanged. Traceable."""
     if not isinstance(value, QuantizedExperts):
         return value
+    if axes[0] == dims.LAYERS:  # stacked (a scanned LayerStack): each repeat alike
+        return jax.vmap(lambda v: prepare_planes(v, axes[1:], mesh, rules, what))(value)
     n = axis_size(mesh, get_rules(rules).mesh_axes(axes[1], what), what)
     planes = value.planes
     if n == 1 or planes.block_splits == n:

@@ -226,7 +226,13 @@ def value_leaf_axes(
     Arrays: their own axes. QuantizedExperts: every plane [E, words, rows] takes the kernel's axes; the word axis
     must split whole input blocks. Int8Weight: values take the kernel's axes, the scale drops the input axis.
     Int8Rows (an int8 lookup table): values take the table's axes, the scale [rows] its row axis.
+    A stacked parameter (leading `dims.LAYERS` axis, glm53/layers/stack.py): every leaf as its per-layer slice,
+    with the unsharded repeat axis in front.
     """
+    if axes and axes[0] == dims.LAYERS:
+        inner = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), value)
+        per = value_leaf_axes(inner, axes[1:], what)
+        return [(leaf, (dims.LAYERS, *a), (leaf.shape[0], *d)) for leaf, (_, a, d) in zip(jax.tree.leaves(value), per)]
     if isinstance(value, QuantizedExperts):
         p = value.planes
         divide = (value.n_experts, p.n_blocks, p.rows)

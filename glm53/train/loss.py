@@ -78,12 +78,15 @@ def losses(model: nnx.Module, batch: dict, cfg: LossConfig, router_names=()) -> 
         if name not in rec:
             continue  # e.g. the MTP router when the MTP loss is off
         ids, probs = rec[name]
-        valid = mask if ids.shape[0] == b * t else mask[:, 1:]
+        stacked = ids.ndim == 3  # a router of a scanned LayerStack: one record per repeat [R, N, ...]
+        ids_r, probs_r = (ids, probs) if stacked else (ids[None], probs[None])
+        valid = mask if ids_r.shape[1] == b * t else mask[:, 1:]
         steps = valid.shape[1]
-        loads[name] = jax.lax.stop_gradient(routing.expert_load(ids, valid.reshape(-1), probs.shape[-1]))
+        load = jax.vmap(lambda i: routing.expert_load(i, valid.reshape(-1), probs.shape[-1]))(ids_r)
+        loads[name] = jax.lax.stop_gradient(load if stacked else load[0])
         if cfg.balance_weight:
-            balance.append(routing.sequence_balance_loss(
-                ids.reshape(b, steps, -1), probs.reshape(b, steps, -1), valid))  # fmt: skip
+            balance.extend(routing.sequence_balance_loss(
+                i.reshape(b, steps, -1), p.reshape(b, steps, -1), valid) for i, p in zip(ids_r, probs_r))  # fmt: skip
     bal = jnp.mean(jnp.stack(balance)) if balance else jnp.zeros(())
     total = lm + cfg.mtp_weight * mtp + cfg.balance_weight * bal
     aux = dict(lm_loss=lm, mtp_loss=mtp, balance_loss=bal, lm_tokens=n_lm, mtp_tokens=n_mtp, loads=loads)

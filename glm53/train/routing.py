@@ -18,17 +18,15 @@ over the sequence's valid tokens; averaged over sequences and routers.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from glm53.layers import records
 from glm53.layers.moe import Router
 from glm53.layers.param import path_str
-
-_ACTIVE = threading.local()
 
 
 class RecordingRouter(Router):
@@ -48,15 +46,14 @@ class RecordingRouter(Router):
 
     def __call__(self, x_td: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
         ids, w = super().__call__(x_td)
-        rec = getattr(_ACTIVE, "records", None)
-        if rec is not None:
+        if records.active() is not None:
             logits = jnp.matmul(x_td.astype(jnp.float32), self.kernel[...].astype(jnp.float32),
                                 precision=jax.lax.Precision.HIGHEST)  # fmt: skip
             s = jax.nn.sigmoid(logits)
-            rec[self.name] = (
+            records.record(self.name, (
                 ids.reshape(-1, self.top_k),
                 (s / jnp.sum(s, -1, keepdims=True)).reshape(-1, s.shape[-1]),
-            )
+            ))  # fmt: skip
         return ids, w
 
 
@@ -81,12 +78,8 @@ def instrument_routers(model: nnx.Module) -> list[str]:
 @contextlib.contextmanager
 def record_routing() -> Iterator[dict[str, tuple[jnp.ndarray, jnp.ndarray]]]:
     """{router name: (ids [N, K], normalized affinities [N, E])} of every RecordingRouter called in the block."""
-    prev = getattr(_ACTIVE, "records", None)
-    _ACTIVE.records = {}
-    try:
-        yield _ACTIVE.records
-    finally:
-        _ACTIVE.records = prev
+    with records.recording() as rec:
+        yield rec
 
 
 def expert_load(ids_nk: jnp.ndarray, valid_n: jnp.ndarray, n_experts: int) -> jnp.ndarray:
@@ -96,8 +89,9 @@ def expert_load(ids_nk: jnp.ndarray, valid_n: jnp.ndarray, n_experts: int) -> jn
 
 
 def bias_update(bias_e: jnp.ndarray, load_e: jnp.ndarray, gamma: float) -> jnp.ndarray:
-    """bias + gamma * sign(mean(load) - load) (f32)."""
-    return bias_e + gamma * jnp.sign(jnp.mean(load_e) - load_e).astype(bias_e.dtype)
+    """bias + gamma * sign(mean(load) - load) (f32); leading axes (a scanned router's repeats) are separate
+    routers."""
+    return bias_e + gamma * jnp.sign(jnp.mean(load_e, -1, keepdims=True) - load_e).astype(bias_e.dtype)
 
 
 def sequence_balance_loss(ids_btk: jnp.ndarray, probs_bte: jnp.ndarray, valid_bt: jnp.ndarray) -> jnp.ndarray:

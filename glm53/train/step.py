@@ -146,7 +146,8 @@ def load_stats(loads: dict) -> dict:
     """Max and min over routers and experts of load / mean load (1 = perfectly balanced)."""
     if not loads:
         return {}
-    r = jnp.stack([ld / jnp.maximum(jnp.mean(ld), 1e-9) for ld in loads.values()])
+    r = jnp.concatenate([(ld / jnp.maximum(jnp.mean(ld, -1, keepdims=True), 1e-9)).reshape(-1)
+                         for ld in loads.values()])  # fmt: skip
     return dict(load_max=jnp.max(r), load_min=jnp.min(r))
 
 
