@@ -26,6 +26,7 @@ from glm53.config import (
     quant_config_from_dict,
 )
 from glm53.errors import CheckpointError, ConfigError, ShardingError
+from glm53.layers.stack import describe_groups
 from glm53.model import Glm53Model
 
 _log = logging.getLogger(__name__)
@@ -208,9 +209,12 @@ def sharded_model(
             weights, experts=experts, dtype=dtype, with_mtp=with_mtp,
             abstract_fn=lambda build: S.abstract_sharded_model(build, mesh, rules), **kw,
         )  # fmt: skip
-    if "latent_cache_dtype" in runtime_fields(config):
-        model.set_latent_cache_dtype(runtime_fields(config)["latent_cache_dtype"])
-        cfg = model.cfg
+    runtime = runtime_fields(config)
+    if "latent_cache_dtype" in runtime:
+        model.set_latent_cache_dtype(runtime["latent_cache_dtype"])
+    if "scan_layers" in runtime:  # weights load per layer (unrolled); a scanned run stacks them here, on device
+        model.set_scan_layers(runtime["scan_layers"])
+    cfg = model.cfg
     return ShardedModel(cfg, model, mesh, rules)
 
 
@@ -227,5 +231,6 @@ def describe_run(run: ShardedModel, *, config_name: str | None = None, seed: int
     )
     mtp = "with" if run.model.mtp is not None else "without"
     return (
-        f"{what}; {n / 1e6:.2f}M parameters, {mtp} MTP; mesh {dict(run.mesh.shape)}, rules {run.rules.name}"
+        f"{what}; {n / 1e6:.2f}M parameters, {mtp} MTP; mesh {dict(run.mesh.shape)}, rules {run.rules.name}; "
+        f"{describe_groups(run.model.groups)}"
     )

@@ -47,7 +47,10 @@ class Tensor:
 # ---------------------------------------------------------------------------------------------- text model
 @functools.lru_cache(maxsize=4)
 def _abstract_model(cfg: ModelConfig) -> Glm53Model:
-    """`Glm53Model(cfg)` with the MTP block, built by `nnx.eval_shape` (~5 s for the release config)."""
+    """`Glm53Model(cfg)` with the MTP block, built by `nnx.eval_shape` (~5 s for the release config); always
+    unrolled (per-layer paths and caches, the names checkpoints and budgets use; a scanned model holds the same
+    bytes)."""
+    cfg = cfg.replace(scan_layers=False)
 
     def build():
         # The RNG counter is held as a Ref: with a plain Variable every `rngs.params()` under tracing makes
