@@ -48,6 +48,7 @@ def model_config() -> ml_collections.ConfigDict:
             index_kpool_always_select_tail=True,
             index_norm_eps=1e-6,
             latent_cache_dtype="int8",  # the serving layout: int8 MLA latent + one f32 scale per token
+            scan_layers=True,  # repeating layers as one lax.scan each (docs/scan.md)
             hc_mult=4,
             hc_sinkhorn_iters=20,
             hc_eps=1e-6,

@@ -23,7 +23,7 @@ from glm53.layers.linear import Linear
 from glm53.layers.mtp import MTPBlock
 from glm53.layers.norm import RMSNorm
 from glm53.layers.param import param
-from glm53.layers.stack import LayerGroup, LayerStack, layer_groups
+from glm53.layers.stack import LayerGroup, LayerStack, describe_groups, layer_groups
 from glm53.quant.int8 import Int8Rows
 
 
@@ -104,7 +104,7 @@ class Glm53Model(nnx.Module):
         """Switches how every DSA cache stores its latent (`ModelConfig.latent_cache_dtype`, a serving layout,
         not part of the weights): the config of the model and of each of its modules is replaced."""
         cfg = self.cfg.replace(latent_cache_dtype=value)  # validated: a ConfigError names the field
-        for _, m in self.iter_modules():
+        for _, m in nnx.iter_modules(self):
             if isinstance(getattr(m, "cfg", None), ModelConfig):
                 m.cfg = cfg
 
@@ -116,7 +116,7 @@ class Glm53Model(nnx.Module):
         if groups != self.groups:
             self.layers = nnx.List(_units(self.unrolled_layers(), groups))
             self.groups = groups
-        for _, m in self.iter_modules():
+        for _, m in nnx.iter_modules(self):
             if isinstance(getattr(m, "cfg", None), ModelConfig):
                 m.cfg = cfg
 
@@ -156,6 +156,8 @@ class Glm53Model(nnx.Module):
         """
         b, t = tokens_bt.shape
         start_b = jnp.zeros((b,), jnp.int32) if cache is None else cache.length
+        if cache is not None:
+            check_cache_layout(self, cache)
         e = self.embed(tokens_bt)
         x = jnp.broadcast_to(e[:, :, None, :], (b, t, self.cfg.hc_mult, e.shape[-1]))
         selection = None
@@ -199,6 +201,17 @@ def _units(layers: list, groups) -> list:
         ls = layers[g.first : g.first + g.period * g.repeats]
         out.extend([LayerStack(ls, g)] if g.scanned else ls)
     return out
+
+
+def check_cache_layout(model: Glm53Model, cache: Cache) -> None:
+    """ValueError when `cache` was made for another grouping of the layers (`ModelConfig.scan_layers`)."""
+    kinds = tuple(isinstance(c, tuple) for c in cache.layers)
+    if kinds != tuple(g.scanned for g in model.groups):
+        raise ValueError(
+            f"cache: {len(cache.layers)} layer entries ({sum(kinds)} stacked) but the model runs "
+            f"{describe_groups(model.groups)}; make the cache with this model's init_cache (scan_layers="
+            f"{model.cfg.scan_layers})"
+        )
 
 
 def layer_cache(model: Glm53Model, cache: Cache, i: int):

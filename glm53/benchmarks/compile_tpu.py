@@ -25,7 +25,6 @@ times a second compile with the persistent compilation cache warm and a `jax.exp
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from collections.abc import Callable
@@ -33,19 +32,19 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 from flax import nnx
 
 from glm53 import parallel as S
 from glm53.benchmarks import compiled_hlo, harness
+from glm53.benchmarks.compile_programs import Unit, device_bytes, programs
 from glm53.build import quant_from_experiment_config
 from glm53.config import ModelConfig, mesh_config_from_dict, model_config_from_dict
 from glm53.layers.param import path_str
+from glm53.layers.stack import describe_groups
 from glm53.memory.inventory import tensor_class
 from glm53.memory.placement import PLACEMENTS, Placement, get_placement
 from glm53.memory.weights import STORAGE, non_expert_by_class, storage_value, tensor_rules
 from glm53.model import Glm53Model
-from glm53.quant.qweight import QuantizedExperts
 from glm53.testing import tpu
 
 COMPOSE = ("kinds", "full")
@@ -148,142 +147,6 @@ def weights_by_class(model: nnx.Module) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def device_bytes(tree) -> int:
-    """Bytes one device holds of a pytree of sharded ShapeDtypeStructs (the largest shard: all are equal)."""
-    return sum(
-        math.prod(a.sharding.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)
-    )
-
-
-def _split_weights(state) -> dict:
-    routed = sum(
-        device_bytes(v.get_value())
-        for _, v in nnx.to_flat_state(state)
-        if isinstance(v.get_value(), QuantizedExperts)
-    )
-    return dict(routed_experts=routed, non_expert=device_bytes(state) - routed)
-
-
-def _expert_reads(state, slots: int) -> int:
-    """Bytes one device's Mosaic expert kernels stream per step: min(slots, E) experts of every QuantizedExperts
-    leaf (XLA's cost analysis counts none of the planes a Mosaic kernel reads; padded slots fetch nothing)."""
-    out = 0
-    for _, v in nnx.to_flat_state(state):
-        q = v.get_value()
-        if isinstance(q, QuantizedExperts):
-            out += device_bytes(q) // q.n_experts * min(slots, q.n_experts)
-    return out
-
-
-def _placed(shape, dtype, axes, mesh, rules):
-    """A ShapeDtypeStruct placed by logical axes (a dimension its mesh axes do not divide: replicated)."""
-    axes = tuple(
-        a if shape[i] % S.axis_size(mesh, rules.mesh_axes(a)) == 0 else None for i, a in enumerate(axes)
-    )
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=S.logical_to_sharding(axes, mesh, rules, shape))
-
-
-# ---------------------------------------------------------------------------------------------- programs
-@dataclasses.dataclass
-class Unit:
-    """One compiled program: `fn(*args)` (jitted with `donate`), run `count` times per step (layers: which)."""
-
-    name: str
-    fn: Callable
-    args: tuple
-    donate: tuple[int, ...]
-    layers: list[int]
-    weights: dict
-    cache: int
-    prefix: str = ""  # of the parameter paths in the unit's state (args[0]): "layers.<i>." in a layer
-    expert_reads: int = 0  # bytes its expert kernels read per call (`_expert_reads`)
-
-    @property
-    def count(self) -> int:
-        return max(1, len(self.layers))
-
-
-class _EmbedHead(nnx.Module):
-    """The model's embedding (into the mHC streams) and head (stream mean, final norm, lm_head)."""
-
-    def __init__(self, model: Glm53Model):
-        self.embed, self.norm, self.lm_head = model.embed, model.norm, model.lm_head
-        self.hc_mult = model.cfg.hc_mult
-
-    def __call__(self, tokens_bt, x_btnd):
-        e = self.embed(tokens_bt)
-        x0 = jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], self.hc_mult, e.shape[-1]))
-        logits = self.lm_head(self.norm(jnp.mean(x_btnd, axis=2))).astype(jnp.float32)
-        return x0, logits
-
-
-def _apply(graphdef):
-    def fn(state, *args, **kwargs):
-        return nnx.merge(graphdef, state)(*args, **kwargs)
-
-    return fn
-
-
-def _layer_kind(layer) -> str:
-    attn = layer.attn_kind + ("(shared indexer)" if getattr(layer.self_attn, "shared_indexer", False) else "")
-    if layer.mlp_kind != "moe":
-        return f"{attn}+{layer.mlp_kind}"
-    e = layer.mlp.experts
-    fmts = [
-        w.format_name if isinstance(w, QuantizedExperts) else str(w.dtype)
-        for w in (e.gate_proj.get_value(), e.up_proj.get_value(), e.down_proj.get_value())
-    ]
-    return f"{attn}+moe[{'/'.join(fmts)}]"
-
-
-def programs(
-    model: Glm53Model, batch: int, tokens: int, context: int, compose: str, mesh, rules
-) -> list[Unit]:
-    """The units of one step of `batch` streams x `tokens` tokens over caches of `context` tokens."""
-    cfg = model.cfg
-    cache = jax.eval_shape(lambda: model.init_cache(batch, context, jnp.bfloat16))
-    cache = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        cache,
-        S.cache_shardings(cache, mesh, rules),
-    )
-    ids = _placed((batch, tokens), jnp.int32, (S.BATCH, None), mesh, rules)
-    if compose == "full":
-        gd, state = nnx.split(model)
-
-        def step(state, ids, cache):
-            return nnx.merge(gd, state)(ids, cache=cache)
-
-        reads = _expert_reads(state, batch * tokens * cfg.num_experts_per_tok)
-        return [
-            Unit("model", step, (state, ids, cache), (2,), [], _split_weights(state), device_bytes(cache), "", reads)
-        ]
-    x = _placed(
-        (batch, tokens, cfg.hc_mult, cfg.hidden_size), jnp.bfloat16, (S.BATCH,) + (None,) * 3, mesh, rules
-    )
-    gd, state = nnx.split(_EmbedHead(model))
-    units = {"embed+head": Unit("embed+head", _apply(gd), (state, ids, x), (), [], _split_weights(state), 0)}
-    selection = None
-    for i, layer in enumerate(model.layers):
-        gd, state = nnx.split(layer)
-        fn = _apply(gd)
-        shared = layer.attn_kind == "dsa" and layer.self_attn.shared_indexer
-        args = (state, x, cache.layers[i], cache.length, selection if shared else None)
-        leaves = jax.tree_util.tree_leaves_with_path(args)
-        sig = tuple((jax.tree_util.keystr(k), a.shape, str(a.dtype), a.sharding.spec) for k, a in leaves)
-        key = (_layer_kind(layer), sig)
-        if key not in units:
-            step = lambda state, x, c, start, sel, fn=fn: fn(state, x, cache=c, start_b=start, selection=sel)  # noqa: E731
-            weights, cache_bytes = _split_weights(state), device_bytes(cache.layers[i])
-            reads = _expert_reads(state, batch * tokens * cfg.num_experts_per_tok)
-            units[key] = Unit(key[0], step, args, (2,), [], weights, cache_bytes, f"layers.{i}.", reads)
-        units[key].layers.append(i)
-        if layer.attn_kind == "dsa" and not shared and "shared" in cfg.indexer_types[i + 1 :]:
-            sel = jax.eval_shape(units[key].fn, *args)[2]
-            selection = _placed(sel.shape, sel.dtype, (S.BATCH, None, None), mesh, rules)
-    return list(units.values())
-
-
 def compile_unit(unit: Unit) -> tuple[dict, jax.stages.Lowered | None]:
     """Lower and compile one unit for the mesh's devices: times and `compiled_hlo.analyse` (its entry
     parameters summed by tensor class: `weights_compiled`), or the error."""
@@ -356,6 +219,8 @@ def run(
     """Compile every program of `settings` for the config's model; the JSON result (module docstring).
     `partial` receives the programs compiled so far after each one."""
     cfg = reduced_model_config(config.model, settings.layers)
+    if settings.compose == "kinds":  # one unit per layer kind: composed from unrolled layers
+        cfg = cfg.replace(scan_layers=False)
     quant = quant_from_experiment_config(config)
     quant = dataclasses.replace(
         quant, experts=settings.experts, layout=settings.layout, moe_impl="pallas_tpu"
@@ -369,6 +234,7 @@ def run(
     t0 = time.perf_counter()
     model = abstract_model(cfg, quant, mesh, place)
     build_s = time.perf_counter() - t0
+    progress(describe_groups(model.groups))
     model_by_class = weights_by_class(model)
     budget_by_class = {
         k: r["bytes_per_device"] for k, r in non_expert_by_class(cfg, len(devices), place).items()
@@ -430,6 +296,7 @@ def run(
             layers=cfg.num_hidden_layers,
             layer_types=list(cfg.layer_types),
             mlp_layer_types=list(cfg.mlp_layer_types),
+            groups=describe_groups(model.groups),
             build_s=build_s,
         ),  # fmt: skip
         mesh=dict(

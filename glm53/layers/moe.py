@@ -10,6 +10,7 @@ from glm53 import dims
 from glm53.config import ModelConfig, QuantConfig
 from glm53.layers.mlp import MLP
 from glm53.layers.param import param
+from glm53.layers.stack import StackedSlice
 from glm53.quant.qweight import QuantizedExperts, expert_formats
 from kernels.matmul.streamed import StreamedKernel
 from kernels.moe import api as moe_api
@@ -61,6 +62,9 @@ class Router(nnx.Module):
         return ids.astype(jnp.int32), w * self.routed_scaling_factor
 
 
+IN_PLACE = ("pallas_tpu", "pallas_gpu")  # expert kernels that fetch experts by id (DMA): no slice copies
+
+
 class Experts(nnx.Module):
     """Routed experts: gate_proj, up_proj [E, D, F]; down_proj [E, F, D] (per-expert kernels [in, out]).
 
@@ -101,6 +105,14 @@ class Experts(nnx.Module):
     def __call__(self, x_td: jnp.ndarray, topk_ids_tk: jnp.ndarray, topk_w_tk: jnp.ndarray) -> jnp.ndarray:
         """x [T, D] with routing [T, K] -> weighted sum of the chosen experts' outputs [T, D] in x's dtype."""
         ws = (self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value())
+        if any(isinstance(w, StackedSlice) for w in ws):  # a scanned layer (glm53/layers/stack.py)
+            n_slots = topk_ids_tk.shape[0] * topk_ids_tk.shape[1]
+            name = moe_api.select_implementation(self.implementation, n_slots, self.decode_max_slots)
+            if name.startswith(IN_PLACE):  # kernels that fetch experts by id read the stack where it lies
+                ws, ids = zip(*(w.merged(topk_ids_tk) for w in ws))
+                topk_ids_tk = ids[0]
+            else:
+                ws = tuple(w.take() for w in ws)
         if any(isinstance(w, ExpertList | StreamedKernel) for w in ws):  # wrapped for CPU decode
             n_slots = topk_ids_tk.shape[0] * topk_ids_tk.shape[1]  # (glm53.generate.decode_state): only the
             if moe_api.select_implementation(self.implementation, n_slots, self.decode_max_slots) != "xla_cpu_decode":

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from glm53 import dims
 from glm53.config import ModelConfig
 from glm53.layers import records
-from glm53.quant.qweight import expert_formats
+from glm53.quant.qweight import QuantizedExperts, expert_formats
 
 MAX_PERIOD = 8  # the longest period searched (the release's is 4)
 
@@ -206,6 +207,56 @@ def cache_slice(cache, r: int):
     return jax.tree.map(lambda x: x[r], cache)
 
 
+# ------------------------------------------------------------------------------------------ in-place reads
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StackedSlice:
+    """Repeat `index` of a stacked routed-expert kernel, left unsliced: what a scanned layer's experts see.
+
+    A slice of a stack taken inside the scan body is a copy of the whole slice (XLA cannot hand a custom call a
+    window of a buffer), i.e. every step would copy all E experts of every layer where the expert kernels read
+    only the K routed ones. Kernels that fetch experts by id (Pallas TPU / GPU) read the stack in place instead
+    (`merged` + ids offset by index * E); every other implementation takes the slice (`take`).
+
+    stack: QuantizedExperts whose planes lead [R, E], or an array [R, E, ...]; index: int32 scalar.
+    """
+
+    stack: Any
+    index: Any
+
+    @property
+    def repeats(self) -> int:
+        return int(jax.tree.leaves(self.stack)[0].shape[0])
+
+    @property
+    def n_experts(self) -> int:
+        return int(jax.tree.leaves(self.stack)[0].shape[1])
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The per-layer dense kernel shape [E, in, out]."""
+        if isinstance(self.stack, QuantizedExperts):
+            return (self.n_experts, self.stack.planes.cols, self.stack.planes.rows)
+        return tuple(self.stack.shape[1:])
+
+    def take(self):
+        """The layer's kernel (a copy of the slice)."""
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.index, 0, keepdims=False), self.stack)
+
+    def merged(self, ids_tk: jax.Array) -> tuple[Any, jax.Array]:
+        """(the stack as one kernel of R * E experts (a reshape, no copy), ids of this repeat's experts in it;
+        the empty-slot id E becomes R * E)."""
+        r, e = self.repeats, self.n_experts
+        merged = jax.tree.map(lambda a: a.reshape(r * e, *a.shape[2:]), self.stack)
+        ids = jnp.where(ids_tk >= e, r * e, ids_tk + self.index * e).astype(ids_tk.dtype)
+        return merged, ids
+
+
+def in_place_experts(path) -> bool:
+    """Whether a period-relative parameter path is a routed-expert kernel (read in place, `StackedSlice`)."""
+    return len(path) >= 3 and tuple(path[-3:-1]) == ("mlp", "experts")
+
+
 # ------------------------------------------------------------------------------------------------ module
 class LayerStack(nnx.Module):
     """`group.repeats` repeats of the `group.period` DecoderLayers of `group`, run by one `jax.lax.scan`.
@@ -256,10 +307,17 @@ class LayerStack(nnx.Module):
         selection): the last DSA layer's indexer selection (or the one passed in when the period has none)."""
         graphdef, state = nnx.split(self.period)
         has_dsa = any(m.attn_kind == "dsa" for m in self.period)
+        flat = list(nnx.to_flat_state(state))
+        experts = [(p, v) for p, v in flat if in_place_experts(p)]  # closed over whole: StackedSlice
+        scanned = nnx.from_flat_state([(p, v) for p, v in flat if not in_place_experts(p)])
 
         def body(x, xs):
-            st, caches = xs
-            period = nnx.merge(graphdef, _with_axes(st, _drop_layers))
+            r, st, caches = xs
+            pieces = list(nnx.to_flat_state(_with_axes(st, _drop_layers)))
+            for p, v in experts:
+                axes = v.get_metadata().get("logical_axes")
+                pieces.append((p, v.replace(value=StackedSlice(v.get_value(), r), logical_axes=_drop_layers(axes))))
+            period = nnx.merge(graphdef, nnx.from_flat_state(pieces))
             new, sel = [], None
             with records.scan_records() as rec:
                 for j, layer in enumerate(period):
@@ -268,7 +326,8 @@ class LayerStack(nnx.Module):
                     new.append(c)
             return x, (None if caches is None else tuple(new), sel if has_dsa else None, rec)
 
-        x_btnd, (caches, sels, rec) = jax.lax.scan(body, x_btnd, (state, cache))
+        steps = jnp.arange(self.group.repeats, dtype=jnp.int32)
+        x_btnd, (caches, sels, rec) = jax.lax.scan(body, x_btnd, (steps, scanned, cache))
         records.add_records(rec)
         return x_btnd, caches, (sels[-1] if has_dsa else selection)
 

@@ -31,6 +31,7 @@ from glm53 import dims
 from glm53.errors import ShardingError
 from glm53.layers.moe import MoE
 from glm53.layers.param import path_str
+from glm53.layers.stack import StackedSlice
 from glm53.parallel import rules as S
 from glm53.parallel.rules import Rules, axis_size, get_rules
 from glm53.quant import planes as P
@@ -112,13 +113,16 @@ class ShardedMoE(MoE):
 
         def one(path, var):
             value = var.get_value()
-            if not isinstance(value, QuantizedExperts):
+            stacked = isinstance(value, StackedSlice)  # a scanned layer's experts: the stack + its index
+            q = value.stack if stacked else value
+            if not isinstance(q, QuantizedExperts):
                 return var
             what = f"parameter {path_str(path)}"
             axes = S.param_axes(var, what)
             n_blocks = S.axis_size(self.mesh, self.rules.mesh_axes(axes[1], what), what)
             n_rows = S.axis_size(self.mesh, self.rules.mesh_axes(axes[2], what), what)
-            return var.replace(value=QuantizedExperts(local_planes(value.planes, n_rows, n_blocks)))
+            q = QuantizedExperts(local_planes(q.planes, n_rows, n_blocks))
+            return var.replace(value=StackedSlice(q, value.index) if stacked else q)
 
         flat = nnx.to_flat_state(state)
         return nnx.from_flat_state([(p, one(p, v)) for p, v in flat])

@@ -56,6 +56,7 @@ from glm53.config import ModelConfig
 from glm53.config.mesh import MeshConfig, mesh_config_from_dict
 from glm53.errors import ShardingError
 from glm53.layers.param import path_str
+from glm53.layers.stack import StackedSlice
 from glm53.quant.int8 import Int8Rows, Int8Weight
 from glm53.quant.qweight import QuantizedExperts
 
@@ -229,6 +230,8 @@ def value_leaf_axes(
     A stacked parameter (leading `dims.LAYERS` axis, glm53/layers/stack.py): every leaf as its per-layer slice,
     with the unsharded repeat axis in front.
     """
+    if isinstance(value, StackedSlice):  # a scanned layer's experts (inside the scan body): the stack + index
+        return [*value_leaf_axes(value.stack, (dims.LAYERS, *axes), what), (value.index, (), ())]
     if axes and axes[0] == dims.LAYERS:
         inner = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), value)
         per = value_leaf_axes(inner, axes[1:], what)
