@@ -9,6 +9,8 @@ convert the new files). Only when every unit exists are the sidecar and COMPLETE
 renamed to OUT: an interrupted run never leaves a directory named OUT. Arrays are stored in Orbax chunks of at
 most `chunk_bytes`: the read granularity of a sharded restore.
 
+`save_model` writes a model (any `ModelConfig.scan_layers`) in the same format, per layer.
+
 Several processes (`glm53.parallel.distributed`, e.g. one per host of a slice): process 0 alone reads the sources
 and writes every unit (with an Orbax writer of its own: Orbax writes host arrays from process 0 only) and the
 sidecar; the others wait for it. The result is the checkpoint one process writes.
@@ -34,7 +36,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from glm53.checkpoint import gguf as G
-from glm53.checkpoint import gguf_rules
+from glm53.checkpoint import gguf_rules, scan
 from glm53.checkpoint.hf import checkpoint_has_mtp, load_hf_weights, mtp_choice, shard_files
 from glm53.checkpoint.orbax import (
     COMPLETE,
@@ -320,6 +322,35 @@ def convert(
     if main:
         _finalize(work, out, plan, fingerprint, cfg, quant)
     distributed.barrier("glm53 convert: finalized")
+    return out
+
+
+def save_model(model: Glm53Model, out: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> str:
+    """Writes a concrete `Glm53Model` (of one process) as a glm53 Orbax checkpoint at `out`, the format `convert`
+    writes: per layer whatever the model's `scan_layers` (a stacked value is sliced one layer at a time,
+    `glm53.checkpoint.scan`), so a scanned model and its unrolled twin write the same checkpoint. Values are stored
+    as they are (floats in their dtype, Int8Weight, QuantizedExperts); the sidecar names no sources. Written under
+    ``OUT.partial`` and renamed; an existing `out` or ``OUT.partial`` is a CheckpointError. Returns `out`."""
+    out = os.path.abspath(os.fspath(out))
+    work = out + PARTIAL_SUFFIX
+    for p in (out, work):
+        if os.path.exists(p):
+            raise CheckpointError(f"{p}: already exists; remove it or choose another path")
+    items = scan.per_layer_items(model)
+    plan = plan_units([p for p, _ in items])
+    quant = model.quant
+    info = dict(hf=None, gguf=[], dtype=jnp.dtype(model.dtype).name, int8=False, with_mtp=model.mtp is not None,
+                layout=quant.layout if quant is not None else "planes")  # fmt: skip
+    os.makedirs(os.path.join(work, UNITS))
+    writer = _Writer(work, plan, chunk_bytes)
+    for path, get in items:
+        value = get()
+        if isinstance(value, QuantizedExperts) and value.planes.block_splits != 1:
+            raise CheckpointError(f"save_model: {path_str(path)} is laid out for a mesh (block_splits "
+                                  f"{value.planes.block_splits}); save the model before sharding it")  # fmt: skip
+        info["int8"] = info["int8"] or isinstance(value, Int8Weight)
+        writer.add(path, value)
+    _finalize(work, out, plan, info, scan.per_layer_config(model.cfg), quant)
     return out
 
 

@@ -31,7 +31,7 @@ from flax import nnx
 from gguf.constants import GGMLQuantizationType
 
 from glm53.checkpoint import gguf_rules as rules
-from glm53.checkpoint import slices
+from glm53.checkpoint import scan, slices
 from glm53.checkpoint.gguf_rules import Path, Target
 from glm53.checkpoint.hf import checkpoint_has_mtp, load_hf_weights, mtp_choice
 from glm53.config import ConfigError, ModelConfig, load_hf_config
@@ -187,6 +187,7 @@ def _targets(abstract_model: nnx.Module, cfg: ModelConfig, problems: _Problems):
     targets: dict[Path, tuple[Target, object]] = {}
     for p, v in flat:
         p, abstract = tuple(p), v.get_value()
+        scan.check_path(p, f"GGUF {problems.name}")
         try:
             targets[p] = (rules.target_for(p, tuple(abstract.shape), cfg), abstract)
         except KeyError:
@@ -221,7 +222,8 @@ def expert_tensors(g: GGUFModel, cfg: ModelConfig, *, with_mtp: bool = True) -> 
     with_mtp: include the MTP block's experts (``blk.{num_hidden_layers}``).
     """
     problems = _Problems(g.name)
-    abstract = nnx.eval_shape(lambda: Glm53Model(cfg, rngs=nnx.Rngs(0), with_mtp=with_mtp))
+    pl = scan.per_layer_config(cfg)
+    abstract = nnx.eval_shape(lambda: Glm53Model(pl, rngs=nnx.Rngs(0), with_mtp=with_mtp))
     _, _, _, targets = _targets(abstract, cfg, problems)
     out = _expert_tensors(g, targets, problems)
     problems.raise_if_any()
@@ -290,9 +292,11 @@ def load_gguf_weights(
     """Fills every Param of `abstract_model` (from `nnx.eval_shape`) from the GGUF `g`.
 
     put(path, host_value, sharding): how a host array becomes a device array (default: `jax.device_put` with
-    the abstract value's sharding). Returns (model, report); raises CheckpointError listing every problem.
+    the abstract value's sharding). Returns (model, report) (a scanned abstract model is filled per layer, then
+    stacked: `glm53.checkpoint.scan`); raises CheckpointError listing every problem.
     """
     put = put or _put
+    abstract_model, scanned = scan.per_layer_model(abstract_model)
     problems = _Problems(g.name)
     report = GGUFLoadReport(g.name)
     graphdef, state, flat, targets = _targets(abstract_model, cfg, problems)
@@ -348,7 +352,7 @@ def load_gguf_weights(
     for path, var in flat:
         var.set_value(values[tuple(path)])
     _log.info("loaded %s", report.summary())
-    return nnx.merge(graphdef, state), report
+    return scan.restack(nnx.merge(graphdef, state), scanned), report
 
 
 def load_gguf_checkpoint(
@@ -369,18 +373,20 @@ def load_gguf_checkpoint(
     quant: a `glm53.config.QuantConfig` to keep the routed experts quantized (their GGUF blocks become
     `QuantizedExperts` planes, no decoding; each tensor's type must be the one `quant` gives it); None: dense.
     abstract_fn(build): the abstract model (`glm53.parallel.abstract_sharded_model` on a mesh: every tensor
-    goes straight into its shards). Returns (cfg, model, report).
+    goes straight into its shards). Returns (cfg, model, report); cfg.scan_layers: the model is loaded per layer,
+    then stacked (`glm53.checkpoint.scan`).
     """
     with open_gguf_model(path) as g:
         cfg = gguf_config(g) if cfg is None else cfg
         with_mtp = mtp_choice(with_mtp, has_mtp(g, cfg), g.name, cfg.num_hidden_layers)
+        pl = scan.per_layer_config(cfg)
         abstract = abstract_fn(
             lambda: Glm53Model(
-                cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels, with_mtp=with_mtp, quant=quant
+                pl, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels, with_mtp=with_mtp, quant=quant
             )
         )
         model, report = load_gguf_weights(g, abstract, cfg, put=put)
-    return cfg, model, report
+    return cfg, scan.restack(model, cfg.scan_layers), report
 
 
 def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.bfloat16, **kw) -> tuple[ModelConfig, nnx.Module]:
@@ -407,15 +413,15 @@ def load_hybrid(
     The config is the HF folder's (unless `cfg` is given); each GGUF expert tensor must have the shape that
     config implies (blk.N for trunk layer N, blk.{num_hidden_layers} for the MTP block when with_mtp; None: when
     the HF folder has the block). quant, abstract_fn: as `load_gguf_checkpoint`. Other keyword arguments go to
-    `glm53.checkpoint.hf.load_hf_weights` (e.g. int8). Returns (cfg, model).
+    `glm53.checkpoint.hf.load_hf_weights` (e.g. int8). Returns (cfg, model); cfg.scan_layers: the model is loaded
+    per layer, then stacked (`glm53.checkpoint.scan`).
     """
     cfg = load_hf_config(hf_dir) if cfg is None else cfg
     present = checkpoint_has_mtp(hf_dir, cfg)
     with_mtp = mtp_choice(with_mtp, present, os.fspath(hf_dir), cfg.num_hidden_layers)
+    pl = scan.per_layer_config(cfg)
     abstract = abstract_fn(
-        lambda: Glm53Model(
-            cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels, with_mtp=with_mtp, quant=quant
-        )
+        lambda: Glm53Model(pl, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels, with_mtp=with_mtp, quant=quant)
     )
     model, _ = load_hf_weights(hf_dir, abstract, cfg, skip=is_routed_expert, put=put, **hf_kw)
     put = put or _put
@@ -450,4 +456,4 @@ def load_hybrid(
         if tuple(path) in values:
             var.set_value(values[tuple(path)])
     _log.info("hybrid: non-experts from %s, %d expert tensors from %s", hf_dir, len(values), experts_gguf)
-    return cfg, nnx.merge(graphdef, state)
+    return cfg, scan.restack(nnx.merge(graphdef, state), cfg.scan_layers)

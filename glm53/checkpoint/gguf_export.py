@@ -29,6 +29,7 @@ from gguf import GGUFWriter
 from gguf.constants import GGMLQuantizationType, GGUFValueType
 
 from glm53.checkpoint import gguf_rules as rules
+from glm53.checkpoint import scan
 from glm53.checkpoint.gguf import decode_tensor, open_gguf_model
 from glm53.checkpoint.hf import load_hf_checkpoint
 from glm53.config import ModelConfig, load_hf_config
@@ -88,9 +89,9 @@ def _dense_format(name: str, a: np.ndarray, dense_type: str) -> str:
 
 
 def model_params(model: nnx.Module) -> dict[Path, np.ndarray]:
-    """Every Param of a (concrete) model as host f32 numpy, keyed by path."""
-    _, state = nnx.split(model)
-    return {tuple(p): np.asarray(v.get_value(), np.float32) for p, v in nnx.to_flat_state(state)}
+    """Every Param of a (concrete) model as host f32 numpy, keyed by per-layer path (a scanned model's stacked
+    parameters sliced per layer, `glm53.checkpoint.scan`: the same dict as the unrolled model's)."""
+    return {p: np.asarray(v, np.float32) for p, v in scan.per_layer_values(model)}
 
 
 def write_gguf(
@@ -104,7 +105,8 @@ def write_gguf(
     name: str = "GLM-5.3",
     imatrix: Mapping[str, np.ndarray] | None = None,
 ) -> None:
-    """Writes `params` (our paths and layouts, e.g. `model_params(model)`) as a GGUF llama.cpp can load.
+    """Writes `params` (our per-layer paths and layouts, e.g. `model_params(model)`, whatever the model's
+    scan_layers) as a GGUF llama.cpp can load.
 
     The MTP block is written when `params` has it. dense_type: F32 / F16 / BF16 / Q8_0 for the non-expert
     matrices; experts: an ExpertMix / mix spec for the routed experts (default: dense_type); imatrix: {GGUF
@@ -118,6 +120,8 @@ def write_gguf(
     moe = [i for i, t in enumerate(cfg.mlp_layer_types) if t == "moe"]
     mix = parse_mix(experts, moe) if experts is not None else ExpertMix(dense_type, dense_type, dense_type)
     with_mtp = any(p[0] == "mtp" for p in params)
+    for p in params:
+        scan.check_path(p, "write_gguf")
     w = GGUFWriter(os.fspath(path), arch)
     w.add_type("model")
     w.add_name(name)

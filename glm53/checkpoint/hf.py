@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from glm53.checkpoint import hf_fp8, slices
+from glm53.checkpoint import hf_fp8, scan, slices
 from glm53.checkpoint.hf_fp8 import FP8_DTYPE, SCALE_DTYPES, QuantInfo, read_quant_info
 from glm53.checkpoint.hf_rules import Ignored, Mapped, Path, ShapeProblem, classify
 from glm53.config import load_hf_config
@@ -433,9 +433,11 @@ def load_hf_weights(
     how a host array becomes a device array (default: `jax.device_put` with the abstract value's sharding).
     skip(path): parameters filled from elsewhere (e.g. routed experts from a GGUF): not required, keys that map
     only onto them are not read, and they stay abstract in the returned model.
-    Returns (model, report); raises `CheckpointError` listing every problem.
+    Returns (model, report) (a scanned abstract model is filled per layer, then stacked); raises `CheckpointError`
+    listing every problem.
     """
     folder = os.fspath(folder)
+    abstract_model, scanned = scan.per_layer_model(abstract_model)
     graphdef, state = nnx.split(abstract_model)
     flat = list(nnx.to_flat_state(state))
     targets = {tuple(p): v.get_value() for p, v in flat if isinstance(v, nnx.Param)}
@@ -466,7 +468,7 @@ def load_hf_weights(
         if tuple(path) not in skipped:
             var.set_value(loader.values[tuple(path)])
     _log.info("loaded %s: %s", folder, report.summary())
-    return nnx.merge(graphdef, state), report
+    return scan.restack(nnx.merge(graphdef, state), scanned), report
 
 
 def load_hf_checkpoint(folder: str | os.PathLike, cfg=None, *, dtype=jnp.bfloat16, kernels=None,
@@ -476,15 +478,18 @@ def load_hf_checkpoint(folder: str | os.PathLike, cfg=None, *, dtype=jnp.bfloat1
     dtype / kernels: as `Glm53Model`. with_mtp: see `mtp_choice` (None: when the folder has the block; without
     it, checkpoint layer num_hidden_layers is ignored). abstract_fn(build): the abstract model (default
     `nnx.eval_shape`; `glm53.parallel.abstract_sharded_model` on a mesh puts every tensor straight into its
-    shards). Returns (model, report); other keyword arguments as `load_hf_weights`.
+    shards). Returns (model, report), the model stacked when cfg.scan_layers; other keyword arguments as
+    `load_hf_weights`.
     """
     folder = os.fspath(folder)
     cfg = load_hf_config(folder) if cfg is None else cfg
     with_mtp = mtp_choice(with_mtp, checkpoint_has_mtp(folder, cfg), folder, cfg.num_hidden_layers)
+    pl = scan.per_layer_config(cfg)  # loaded per layer (`glm53.checkpoint.scan`), stacked at the end
     abstract = abstract_fn(
-        lambda: Glm53Model(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels, with_mtp=with_mtp)
+        lambda: Glm53Model(pl, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels, with_mtp=with_mtp)
     )
-    return load_hf_weights(folder, abstract, cfg, **kw)
+    model, report = load_hf_weights(folder, abstract, cfg, **kw)
+    return scan.restack(model, cfg.scan_layers), report
 
 
 def load_hf_model(folder: str | os.PathLike, *, dtype=jnp.bfloat16, **kw):

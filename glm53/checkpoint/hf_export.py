@@ -26,6 +26,9 @@ reads it too): transformers' model has no MTP block and loads only ``model.safet
 without UNEXPECTED keys (its ignore list names the release's layer 45 only), while glm53 reads every
 ``*.safetensors`` of a folder without an index and gets the block (speculative decoding).
 
+A scanned model (`ModelConfig.scan_layers`) writes its per-layer view (`glm53.checkpoint.scan`): the same files
+as the unrolled model.
+
 Parameters that glm53 keeps in float32 whatever the model dtype (conv weights, mHC base / scale, A_log, router)
 are written float32; the others in `dtype`. The folder is written under a temporary name next to the target and
 renamed at the end: a failed export leaves nothing.
@@ -49,7 +52,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from glm53.checkpoint import hf_rules
+from glm53.checkpoint import hf_rules, scan
 from glm53.checkpoint.hf_rules import LAYER_RULES, MODEL_RULES, Mapped, Rule, parse_path
 from glm53.config import ModelConfig, as_hf_text_config
 from glm53.files import atomic_write, write_json
@@ -136,7 +139,9 @@ _TABLES = {
 
 
 def hf_tensors(path: Path, value: np.ndarray, cfg: ModelConfig) -> list[tuple[str, np.ndarray]]:
-    """The HF (key, tensor) pairs of one glm53 parameter; ValueError naming it when no rule maps onto it."""
+    """The HF (key, tensor) pairs of one glm53 parameter (per-layer path); ValueError naming it when no rule maps
+    onto it."""
+    scan.check_path(path, "HF export")
     if path[:1] == ("layers",) and len(path) > 2 and isinstance(path[1], int):
         table, rel, prefix = _TABLES["layer"], path[2:], f"{TEXT_PREFIX}layers.{path[1]}."
     elif path[:1] == ("mtp",):
@@ -233,10 +238,10 @@ def staged_folder(folder: str | os.PathLike, *, overwrite: bool = False) -> Iter
 
 
 def model_params(model: nnx.Module) -> dict[Path, np.ndarray]:
-    """{path: host array} of every Param of `model`; ValueError for a value that is no plain float array."""
+    """{per-layer path: host array} of every Param of `model` (a scanned model's stacked parameters sliced per
+    layer, `glm53.checkpoint.scan`); ValueError for a value that is no plain float array."""
     out = {}
-    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        x = v.get_value()
+    for path, x in scan.per_layer_values(model, nnx.Param):
         if not isinstance(x, (jax.Array, np.ndarray)) or not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"model: parameter '{path_str(tuple(path))}' is {type(x).__name__} "
                              f"{getattr(x, 'dtype', '')}, not a float array (int8 / abstract models cannot be exported)")  # fmt: skip
@@ -247,7 +252,9 @@ def model_params(model: nnx.Module) -> dict[Path, np.ndarray]:
 def _f32_params(cfg: ModelConfig, with_mtp: bool) -> set[Path]:
     """The parameters glm53 keeps float32 in a bfloat16 model."""
     abstract = nnx.eval_shape(
-        lambda: Glm53Model(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, with_mtp=with_mtp)
+        lambda: Glm53Model(
+            scan.per_layer_config(cfg), rngs=nnx.Rngs(0), dtype=jnp.bfloat16, with_mtp=with_mtp
+        )
     )
     return {tuple(p) for p, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param))
             if v.get_value().dtype == jnp.float32}  # fmt: skip

@@ -11,7 +11,8 @@ Layout of a checkpoint directory OUT:
     OUT/units/<unit>/manifest.json  the unit's tensors: path, kind, leaf shapes / dtypes, expert format / layout
 
 A unit is one group of parameters: "embed", "norm", "lm_head", "layers.<i>" (non-expert), "layers.<i>.experts"
-(routed experts), "mtp", "mtp.experts". Parameter kinds: "array" (bf16 / f32 ...), "int8" (`Int8Weight`: int8
+(routed experts), "mtp", "mtp.experts". Paths and units are per layer whatever the layout of the model that is
+written or restored (`ModelConfig.scan_layers`: `glm53.checkpoint.scan`; `restore_model(scan_layers=True)`). Parameter kinds: "array" (bf16 / f32 ...), "int8" (`Int8Weight`: int8
 values + f32 per-output-channel scale) and "quantized" (`QuantizedExperts`: uint32 planes of the GGUF blocks in
 layout "planes" or "reencoded", always saved with block_splits = 1, i.e. independent of any mesh).
 
@@ -30,6 +31,7 @@ with the word axis unsplit and re-paired on device.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import zlib
@@ -42,6 +44,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from glm53 import parallel as S
+from glm53.checkpoint import scan
 from glm53.checkpoint.hf import mtp_choice
 from glm53.config import ModelConfig, model_config_from_dict, quant_config_from_dict
 from glm53.errors import CheckpointError
@@ -71,7 +74,8 @@ def crc32(a) -> int:
 
 # ------------------------------------------------------------------------------------------------ layout
 def unit_of(path: Path) -> str:
-    """The unit of a parameter path (module docstring)."""
+    """The unit of a (per-layer) parameter path (module docstring)."""
+    scan.check_path(path, "glm53 Orbax checkpoint")
     base = f"layers.{path[1]}" if path[0] == "layers" else str(path[0])
     return base + ".experts" if is_routed_expert(path) else base
 
@@ -261,6 +265,7 @@ def restore_model(
     moe_dispatch: bool = True,
     with_mtp: bool | None = None,
     verify: bool = True,
+    scan_layers: bool | None = None,
 ) -> nnx.Module:
     """The `Glm53Model` of a glm53 Orbax checkpoint, every leaf read straight into its place.
 
@@ -269,8 +274,11 @@ def restore_model(
     reads its shard only). dtype: parameter dtype (default: the one converted to; floats are cast on read).
     kernels: implementation per kernel op (overrides the stored quant.moe_impl for "moe"). with_mtp: None
     restores the MTP block when the checkpoint has one, True requires it, False leaves it out. verify: check
-    every leaf's CRC-32 (module docstring; False skips the host copy). Raises CheckpointError naming the
-    directory (and unit, tensor) for incomplete / corrupted checkpoints and mismatches.
+    every leaf's CRC-32 (module docstring; False skips the host copy). scan_layers: the layout of the model
+    returned (`ModelConfig.scan_layers`; None: the stored config's, False for every checkpoint glm53 writes): the
+    checkpoint is per layer either way, and True reads each layer's tensors straight into repeat r of its group's
+    stacked parameters (`_Stacked`). Raises CheckpointError naming the directory (and unit, tensor) for
+    incomplete / corrupted checkpoints and mismatches.
     """
     d = os.path.abspath(os.fspath(ckpt_dir))
     meta = read_metadata(d)
@@ -285,15 +293,21 @@ def restore_model(
     with_mtp = mtp_choice(with_mtp, stored_mtp, d, cfg.num_hidden_layers)
     if not with_mtp:
         manifest = {k: e for k, e in manifest.items() if not k.startswith("mtp.")}
+    scan_layers = cfg.scan_layers if scan_layers is None else bool(scan_layers)
+    cfg = scan.per_layer_config(cfg)
 
-    def build():
-        return Glm53Model(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels, with_mtp=with_mtp, quant=quant)
+    def abstract_model(c: ModelConfig):
+        def build():
+            return Glm53Model(
+                c, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels, with_mtp=with_mtp, quant=quant
+            )
 
-    abstract = (
-        nnx.eval_shape(build)
-        if mesh is None
-        else S.abstract_sharded_model(build, mesh, rules, moe_dispatch=moe_dispatch)
-    )
+        if mesh is None:
+            return nnx.eval_shape(build)
+        return S.abstract_sharded_model(build, mesh, rules, moe_dispatch=moe_dispatch)
+
+    abstract = abstract_model(cfg)  # the per-layer targets, what the manifest names
+    stacked = _Stacked(abstract_model(cfg.replace(scan_layers=True))) if scan_layers else None
     graphdef, state = nnx.split(abstract)
     flat = {path_str(p): v for p, v in nnx.to_flat_state(state)}
     missing, extra = sorted(set(flat) - set(manifest)), sorted(set(manifest) - set(flat))
@@ -335,11 +349,91 @@ def restore_model(
                     )
                 if verify:
                     _check_crc(f"{d}: unit {unit}: {name}", leaf, manifest[name]["leaves"][leaf], r[leaf])
-            flat[name].set_value(builders[name](r))
-    return nnx.merge(graphdef, state)
+            if stacked is None:
+                flat[name].set_value(builders[name](r))
+            else:
+                stacked.put(name, builders[name](r), f"{d}: {name}")
+        if stacked is not None:
+            stacked.flush()
+    return nnx.merge(graphdef, state) if stacked is None else stacked.model()
+
+
+class _Stacked:
+    """The scanned abstract model a restore fills: a per-layer value goes to its variable, or into repeat r of its
+    group's stacked variable (`glm53.checkpoint.scan.layer_paths`). A stacked value is allocated whole when its
+    first layer arrives, in that layer's structure (e.g. an Int8Weight), each leaf with a leading unsharded axis
+    (as `glm53.layers.stack` stacks), and updated in place (donated); one program places a unit's values (`flush`).
+    The restore never holds a per-layer copy of more than the unit being read."""
+
+    def __init__(self, abstract: nnx.Module):
+        self.graphdef, self.state = nnx.split(abstract)
+        self.slots, self.started, self.pending = {}, set(), []
+        for path, var in nnx.to_flat_state(self.state):
+            for p, r in scan.layer_paths(path, abstract.groups):
+                self.slots[path_str(p)] = (var, r, None if r is None else abstract.groups[path[1]].repeats)
+
+    def put(self, name: str, value, where: str) -> None:
+        var, r, repeats = self.slots[name]
+        if r is None:
+            var.set_value(value)
+            return
+        fresh = id(var) not in self.started
+        self.started.add(id(var))
+        if not fresh and jax.tree.structure(var.get_value()) != jax.tree.structure(value):
+            raise CheckpointError(f"{where}: a layer's value {jax.tree.structure(value)} does not fit the other "
+                                  f"layers' of its group {jax.tree.structure(var.get_value())}")  # fmt: skip
+        self.pending.append((var, r, repeats if fresh else None, value))
+
+    def flush(self) -> None:
+        """Places the pending values (one unit's) with one program."""
+        if not self.pending:
+            return
+        variables, rs, fresh, values = zip(*self.pending)
+        self.pending = []
+        bufs = [None if n else v.get_value() for v, n in zip(variables, fresh)]
+        out = [jax.tree.map(lambda x: _stacked_sharding(x.sharding), v) if n else jax.tree.map(lambda x: x.sharding, b)
+               for b, n, v in zip(bufs, fresh, values)]  # fmt: skip
+        leaves, tree = jax.tree.flatten(out)
+        placed = _place(fresh, tree, tuple(leaves))(bufs, list(values), jnp.asarray(rs, jnp.int32))
+        for var, value in zip(variables, placed):
+            var.set_value(value)
+
+    def model(self) -> nnx.Module:
+        return nnx.merge(self.graphdef, self.state)
+
+
+def _stacked_sharding(sharding):
+    """A leaf's sharding with a new unsharded leading axis."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec))
+    return sharding
+
+
+_FAST_CPU = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+@functools.cache
+def _place(fresh: tuple, tree, shardings: tuple):
+    """(bufs, values, rs) -> bufs with bufs[i][rs[i]] = values[i]; a None buf (fresh[i] = its repeats) starts from
+    zeros. The bufs are donated: updated in place."""
+
+    def place(bufs, values, rs):
+        out = []
+        for i, (b, v) in enumerate(zip(bufs, values)):
+            if fresh[i] is not None:
+                b = jax.tree.map(lambda x, n=fresh[i]: jnp.zeros((n, *x.shape), x.dtype), v)
+            out.append(
+                jax.tree.map(lambda x, y, i=i: jax.lax.dynamic_update_index_in_dim(x, y, rs[i], 0), b, v)
+            )
+        return out
+
+    opts = _FAST_CPU if jax.default_backend() == "cpu" else None  # copies: nothing for XLA to optimize
+    return jax.jit(
+        place, donate_argnums=0, out_shardings=jax.tree.unflatten(tree, shardings), compiler_options=opts
+    )
 
 
 def load_checkpoint(ckpt_dir: str | os.PathLike, **kw) -> tuple[ModelConfig, nnx.Module]:
-    """(cfg, model) of a glm53 Orbax checkpoint (see `restore_model`)."""
+    """(cfg, model) of a glm53 Orbax checkpoint (see `restore_model`, e.g. scan_layers=True)."""
     model = restore_model(ckpt_dir, **kw)
     return model.cfg, model
