@@ -31,6 +31,7 @@ from ml_collections import config_flags
 from experiments import cli
 from glm53 import assets, build, tokenizer
 from glm53.config import model_config_from_dict
+from glm53.layers.stack import describe_groups
 from glm53.model import count_params
 from glm53.parallel import distributed
 from glm53.serving import multihost
@@ -173,6 +174,8 @@ def main(argv):
     else:
         cfg, model = build.load_model(weights, dtype=build.parse_dtype(_DTYPE.value), with_mtp=_SPEC.value,
                                       kernels={"moe": _MOE_IMPL.value})  # fmt: skip
+    if "scan_layers" in build.runtime_fields(_CONFIG.value):  # weights load per layer; a scanned run stacks them
+        model.set_scan_layers(build.runtime_fields(_CONFIG.value)["scan_layers"])
     if _SPEC.value and model.mtp is None:
         raise app.UsageError("--speculative drafts with the MTP block, and this model has none")
     tok = tokenizer.load_tokenizer(weights, vocab_size=cfg.vocab_size)
@@ -180,7 +183,7 @@ def main(argv):
                            else "glm53-random")  # fmt: skip
     what = label or (f"weights {weights}" if weights else f"config {cli.config_name('config')}, random weights "
                                                             f"(seed {_CONFIG.value.seed}): output is noise")  # fmt: skip
-    print(f"{what}; {count_params(model) / 1e6:.2f}M parameters", flush=True)
+    print(f"{what}; {count_params(model) / 1e6:.2f}M parameters; {describe_groups(model.groups)}", flush=True)
     engine = Engine(model, slots=_SLOTS.value, max_len=_MAX_LEN.value, buckets=buckets,
                     eos_ids=cfg.eos_token_ids, max_queue=_QUEUE.value, prefix_cache_bytes=_PREFIX_MB.value << 20,
                     prefix_block=_PREFIX_BLOCK.value, speculative=_SPEC.value,

@@ -195,9 +195,10 @@ def sharded_model(
     check_model_section(config, cfg)
     mesh, rules = experiment_mesh(config, cfg)
     if experts is None and orbax.is_checkpoint(weights):
-        model = orbax.restore_model(
-            weights, mesh, rules, dtype=dtype, with_mtp=with_mtp, verify=verify, kernels=kernels
-        )
+        model = orbax.restore_model(  # a scanned run: each layer restored straight into its stack
+            weights, mesh, rules, dtype=dtype, with_mtp=with_mtp, verify=verify, kernels=kernels,
+            scan_layers=runtime_fields(config).get("scan_layers"),
+        )  # fmt: skip
     else:
         quant = quant_from_experiment_config(config) if config is not None else None
         kw = {"quant": quant} if quant is not None else {}

@@ -118,7 +118,8 @@ def decode_state(model: Glm53Model, state: nnx.State, tokens: int = 1) -> nnx.St
       `ExpertList`s (kernels/moe/expert_list.py: views of the stacked kernel; XLA:CPU copies every expert slice
       of a stacked kernel before its matmul).
 
-    The state itself when nothing qualifies."""
+    The layers of a LayerStack (scan_layers) keep their arrays: their parameters carry a leading repeat axis that
+    the scan slices per layer (a per-expert view would be a copy). The state itself when nothing qualifies."""
     wrap = {}
     streamed = matmul_ffi.available()
     slots = tokens * model.cfg.num_experts_per_tok
@@ -132,7 +133,9 @@ def decode_state(model: Glm53Model, state: nnx.State, tokens: int = 1) -> nnx.St
         if moe_api.select_implementation(m.implementation, slots, m.decode_max_slots) != "xla_cpu_decode":
             continue
         ws = [getattr(m, k).get_value() for k in _EXPERT_MATRICES]
-        if all(isinstance(w, jax.Array) and {d.platform for d in w.devices()} == {"cpu"} for w in ws):
+        on_cpu = (isinstance(w, jax.Array) and w.ndim == 3 and {d.platform for d in w.devices()} == {"cpu"}
+                  for w in ws)  # fmt: skip
+        if all(on_cpu):
             split = StreamedKernel if streamed and all(_on_one_cpu(w, 3) for w in ws) else expert_list.split_experts
             wrap.update({(*path, k): split for k in _EXPERT_MATRICES})
     if not wrap:
@@ -146,12 +149,42 @@ def _on_one_cpu(w, ndim: int) -> bool:
             and len(w.devices()) == 1 and next(iter(w.devices())).platform == "cpu")  # fmt: skip
 
 
+# ------------------------------------------------------------------------------------------------ caches
+def map_layers(fn, layers: tuple, *others: tuple) -> tuple:
+    """fn(layer cache, *the others' entries at the same place, lead=...) for every layer cache of a `Cache.layers`
+    tuple. A LayerStack's entry (glm53.layers.stack: a tuple over its period positions of caches whose arrays are
+    [repeats, B, ...]) gives fn each position's cache with lead=1, a plain layer's cache comes with lead=0: fn's
+    batch axis is `lead`, its sequence axis lead + 1. The stack is read and written where it lies (no unstacking,
+    no copy): the same slices and in-place updates as an unrolled cache's, one axis further."""
+
+    def one(c, *o):
+        if isinstance(c, tuple):
+            return tuple(fn(cj, *oj, lead=1) for cj, *oj in zip(c, *o))
+        return fn(c, *o, lead=0)
+
+    return tuple(one(c, *o) for c, *o in zip(layers, *others))
+
+
+def map_rows(op, cache: Cache, *others: Cache) -> Cache:
+    """`cache` with op(a, *the others' arrays at the same place, axis=a's batch axis) on every array: its length,
+    every layer's cache (axis 1 in a LayerStack's stacked caches, `map_layers`) and the MTP block's."""
+
+    def per(c, *o, lead):
+        return jax.tree.map(lambda a, *b: op(a, *b, axis=lead), c, *o)
+
+    return cache.replace(
+        length=op(cache.length, *(o.length for o in others), axis=0),
+        layers=map_layers(per, cache.layers, *(o.layers for o in others)),
+        mtp=per(cache.mtp, *(o.mtp for o in others), lead=0),
+    )
+
+
 def _slice_stream(cache: Cache, b: int) -> Cache:
-    return jax.tree.map(lambda a: a[b : b + 1], cache)
+    return map_rows(lambda a, axis: jax.lax.slice_in_dim(a, b, b + 1, axis=axis), cache)
 
 
 def _put_stream(cache: Cache, b: int, sub: Cache) -> Cache:
-    return jax.tree.map(lambda a, s: a.at[b : b + 1].set(s), cache, sub)
+    return map_rows(lambda a, s, axis: a.at[(slice(None),) * axis + (slice(b, b + 1),)].set(s), cache, sub)
 
 
 class Generator:

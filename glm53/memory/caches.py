@@ -69,18 +69,26 @@ def context_set_bytes(
     out = dict.fromkeys(
         ("kda_state", "kda_conv", "mla_latent", "indexer_pooled_keys", "indexer_keys_gates"), 0
     )
-    for c, s in zip((*cache.layers, cache.mtp), (*shardings.layers, shardings.mtp)):
+    for c, s in _layer_caches(cache, shardings):
         if isinstance(c, KDACache):
             out["kda_state"] += held(c.state, s.state) * DTYPE_BYTES[layout.kda_state_dtype]
             out["kda_conv"] += held(c.conv_state, s.conv_state) * DTYPE_BYTES[layout.conv_dtype]
         elif isinstance(c, DSACache):
-            out["mla_latent"] += s.latent.shard_shape(c.latent.shape)[1] * latent_row
+            # latent rows held: [B = 1, S] (or [repeats, 1, S] stacked), split like the sequence
+            rows = math.prod(s.latent.shard_shape(c.latent.shape)[:-1])
+            out["mla_latent"] += rows * latent_row
             out["indexer_pooled_keys"] += held(c.pooled, s.pooled) * ib
-            if not c.recent_k.shape[1]:  # a layer sharing its indexer holds no indexer rows
+            if not c.recent_k.shape[-2]:  # a layer sharing its indexer holds no indexer rows
                 continue
             if layout.indexer == "full":  # a key and a gate for every position, split like the latent
-                rows = s.latent.shard_shape(c.latent.shape)[1]
                 out["indexer_keys_gates"] += rows * 2 * cfg.index_head_dim * ib
             else:  # the model's ring of the last 2 * kpool positions, whole on every device
                 out["indexer_keys_gates"] += (held(c.recent_k, s.recent_k) + held(c.recent_gate, s.recent_gate)) * ib
     return out
+
+
+def _layer_caches(cache, shardings):
+    """(layer cache, its shardings) of every trunk layer and the MTP block; a scanned model's stacked entry (a
+    tuple over period positions, arrays [repeats, ...]) gives one pair per position, which counts every repeat."""
+    for c, s in zip((*cache.layers, cache.mtp), (*shardings.layers, shardings.mtp)):
+        yield from zip(c, s) if isinstance(c, tuple) else [(c, s)]

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from glm53 import dims
 from glm53.errors import ShardingError
@@ -110,7 +110,8 @@ def init_sharded_model(
 # ------------------------------------------------------------------------------------------------ caches
 def cache_shardings(cache, mesh: Mesh, rules: str | Rules):
     """NamedShardings (the pytree of `cache`, a `glm53.model.Cache`, possibly abstract) by the cache rules of
-    the module docstring. A batch that the "data" axis does not divide stays replicated."""
+    the module docstring. A batch that the "data" axis does not divide stays replicated. A scanned model's stacked
+    entry of `cache.layers` gets each layer kind's shardings behind an unsharded leading repeat axis."""
     rules = get_rules(rules)
     if not isinstance(cache, Cache):
         raise ShardingError(f"cache_shardings: expected a glm53.model.Cache, got {type(cache).__name__}")
@@ -126,6 +127,12 @@ def cache_shardings(cache, mesh: Mesh, rules: str | Rules):
     def layer(c, i):
         if c is None:
             return None
+        if isinstance(c, tuple):  # a LayerStack's caches (glm53.layers.stack): per period position, every array
+            # with a leading repeat axis, never sharded; the other axes as one layer's of that kind
+            return tuple(
+                jax.tree.map(_stacked, layer(jax.tree.map(_one_repeat, cj), f"{i} (stacked, position {j})"))
+                for j, cj in enumerate(c)
+            )
         if isinstance(c, KDACache):  # conv_state [B, K-1, 3*H*d], state [B, H, dk, dv]
             return KDACache(
                 conv_state=sh((BATCH, None, CONV_CHANNELS), c.conv_state, f"KDA cache {i} conv_state"),
@@ -155,6 +162,14 @@ def cache_shardings(cache, mesh: Mesh, rules: str | Rules):
         layers=tuple(layer(c, i) for i, c in enumerate(cache.layers)),
         mtp=layer(cache.mtp, "mtp"),
     )
+
+
+def _one_repeat(a) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+
+
+def _stacked(s: NamedSharding) -> NamedSharding:
+    return NamedSharding(s.mesh, PartitionSpec(None, *s.spec))
 
 
 def shard_cache(cache, mesh: Mesh, rules: str | Rules):

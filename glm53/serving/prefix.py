@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm53.generate import map_layers, map_rows
 from glm53.layers.dsa import DSACache
 from glm53.layers.kda import KDACache
 from glm53.model import Cache
@@ -101,55 +102,67 @@ class PrefixCache:
         self._blocks: collections.OrderedDict[bytes, _Block] = collections.OrderedDict()
         k, kp = block, block // kpool
 
-        def dsa(c: Cache):
-            return (*c.layers, c.mtp if with_mtp else None)
-
+        # Every function below takes one layer's cache at a time (glm53.generate.map_layers): `lead` is 1 for a
+        # scanned model's stacked caches (arrays [repeats, B, ...]: every repeat snapshot and restored at once, in
+        # place), else 0; its batch axis is `lead`, its sequence axis lead + 1.
         # rows s .. s+n-1, s clamped at 0 (lax wraps a negative start); a layer that shares its indexer holds
         # 0-row index arrays
-        def take(a, s, n):
-            return a if a.shape[1] == 0 else jax.lax.dynamic_slice_in_dim(a, jnp.maximum(s, 0), n, axis=1)
+        def take(a, s, n, lead):
+            ax = 1 + lead
+            return a if a.shape[ax] == 0 else jax.lax.dynamic_slice_in_dim(a, jnp.maximum(s, 0), n, axis=ax)
 
-        def put(a, x, s):
-            return (
-                a if a.shape[1] == 0 else jax.lax.dynamic_update_slice_in_dim(a, x, jnp.maximum(s, 0), axis=1)
-            )
+        def put(a, x, s, lead):
+            ax = 1 + lead
+            return a if a.shape[ax] == 0 else jax.lax.dynamic_update_slice_in_dim(a, x, jnp.maximum(s, 0), axis=ax)
+
+        def mtp(c):
+            return c.mtp if with_mtp else None
 
         def rows(staging: Cache, start, row):  # the staging cache's row `row` (a batched prefill's member)
-            staging = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1), staging)
+            staging = map_rows(lambda a, axis: jax.lax.dynamic_slice_in_dim(a, row, 1, axis), staging)
 
-            def one(c, s):
+            def one(c, s, lead=0):
                 if not isinstance(c, DSACache):
                     return None
-                return take(c.latent, s, k), take(c.latent_scale, s, k), take(c.pooled, s // kpool, kp)
+                return (take(c.latent, s, k, lead), take(c.latent_scale, s, k, lead),
+                        take(c.pooled, s // kpool, kp, lead))  # fmt: skip
 
-            n = len(staging.layers)  # the MTP block's rows: one position earlier (module docstring)
-            return tuple(one(c, start - (i == n)) for i, c in enumerate(dsa(staging)))
+            # the MTP block's rows: one position earlier (module docstring)
+            return map_layers(lambda c, lead: one(c, start, lead), staging.layers), one(mtp(staging), start - 1)
 
         def state(staging: Cache, h, row):
-            sl = lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1)  # noqa: E731
-            kda = tuple((sl(c.conv_state), sl(c.state)) if isinstance(c, KDACache) else None for c in staging.layers)
+            sl = lambda a, lead=0: jax.lax.dynamic_slice_in_dim(a, row, 1, lead)  # noqa: E731
+
+            def kda(c, lead):
+                return (sl(c.conv_state, lead), sl(c.state, lead)) if isinstance(c, KDACache) else None
+
             # the indexer's per-token ring (the open pools' members) of every DSA cache, the MTP block's included
-            ring = tuple((sl(c.recent_k), sl(c.recent_gate)) if isinstance(c, DSACache) else None for c in dsa(staging))
-            return (kda, ring), None if h is None else sl(h)
+            def ring(c, lead=0):
+                return (sl(c.recent_k, lead), sl(c.recent_gate, lead)) if isinstance(c, DSACache) else None
+
+            snap = map_layers(kda, staging.layers), map_layers(ring, staging.layers), ring(mtp(staging))
+            return snap, None if h is None else sl(h)
 
         def put_rows(staging: Cache, rows, start):
-            def one(c, r, s):
+            def one(c, r, s, lead=0):
                 if r is None:
                     return c
-                return c.replace(latent=put(c.latent, r[0], s), latent_scale=put(c.latent_scale, r[1], s),
-                                 pooled=put(c.pooled, r[2], s // kpool))  # fmt: skip
+                return c.replace(latent=put(c.latent, r[0], s, lead), latent_scale=put(c.latent_scale, r[1], s, lead),
+                                 pooled=put(c.pooled, r[2], s // kpool, lead))  # fmt: skip
 
-            n = len(staging.layers)
-            new = tuple(one(c, r, start - (i == n)) for i, (c, r) in enumerate(zip(dsa(staging), rows)))
-            return staging.replace(layers=new[:-1], mtp=new[-1] if with_mtp else staging.mtp)
+            layers = map_layers(lambda c, r, lead: one(c, r, start, lead), staging.layers, rows[0])
+            mtp = one(staging.mtp, rows[1], start - 1) if with_mtp else staging.mtp
+            return staging.replace(layers=layers, mtp=mtp)
 
         def put_state(staging: Cache, st, length):
-            kda, ring = st
-            layers = tuple(c if s is None else KDACache(s[0], s[1]) for c, s in zip(staging.layers, kda))
-            dsa_new = tuple(c if r is None else c.replace(recent_k=r[0], recent_gate=r[1])
-                            for c, r in zip((*layers, staging.mtp if with_mtp else None), ring))  # fmt: skip
-            layers = dsa_new[:-1]
-            mtp = dsa_new[-1] if with_mtp else staging.mtp
+            kda, ring, mtp_ring = st
+
+            def one(c, s, r, lead=0):
+                c = c if s is None else KDACache(s[0], s[1])
+                return c if r is None else c.replace(recent_k=r[0], recent_gate=r[1])
+
+            layers = map_layers(one, staging.layers, kda, ring)
+            mtp = one(staging.mtp, None, mtp_ring) if with_mtp else staging.mtp
             return staging.replace(layers=layers, mtp=mtp, length=jnp.full_like(staging.length, length))
 
         self._rows, self._state = jit(rows), jit(state)

@@ -12,6 +12,8 @@ A narrower step is two programs: the step, which reads its b rows of the cache a
 donated cache) XLA:CPU copied every cache array whole, twice, per step. Every row's computation is the
 full-width step's (the same function per row; sampling keys come from (seed, token index), not from the slot):
 greedy and sampled tokens are the same (tests/test_serving_engine.py).
+Every slot operation goes through `glm53.generate.map_rows`, which names each cache array's batch axis (1 in a
+scanned model's stacked caches, whose leading axis is the repeats; 0 otherwise).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm53 import sampling
+from glm53.generate import map_rows
 from glm53.model import Cache
 
 # XLA:CPU options of every engine program on CPU (`cpu_options`; a caller's compiler_options are added on top).
@@ -63,22 +66,27 @@ def narrow(decode: Callable, b: int) -> Callable:
     which it only reads: -> (out, the b rows' new cache), which `put` writes back (a second program)."""
 
     def run(state, cache, *rows):
-        return decode(state, jax.tree.map(lambda a: a[:b], cache), *rows)
+        return decode(state, map_rows(lambda a, axis: jax.lax.slice_in_dim(a, 0, b, axis=axis), cache), *rows)
 
     return run
 
 
 def put(cache, rows):
     """The cache with `rows` (a cache of its first b slots) written over its first b slots (donate `cache`)."""
-    return jax.tree.map(lambda a, n: jax.lax.dynamic_update_slice_in_dim(a, n.astype(a.dtype), 0, axis=0), cache, rows)
+
+    def one(a, n, axis):
+        return jax.lax.dynamic_update_slice_in_dim(a, n.astype(a.dtype), 0, axis)
+
+    return map_rows(one, cache, rows)
 
 
 def move(cache, src, dst):
     """The cache with slot `src`'s rows (every array, every position) copied over slot `dst`'s."""
-    return jax.tree.map(
-        lambda a: jax.lax.dynamic_update_slice_in_dim(a, jax.lax.dynamic_slice_in_dim(a, src, 1), dst, axis=0),
-        cache,
-    )
+
+    def one(a, axis):
+        return jax.lax.dynamic_update_slice_in_dim(a, jax.lax.dynamic_slice_in_dim(a, src, 1, axis), dst, axis)
+
+    return map_rows(one, cache)
 
 
 def build(graphdef, keys: Callable):
@@ -113,11 +121,12 @@ def write_rows(cache, staging, slots):
         ok = slots[i] >= 0
         dst = jnp.where(ok, slots[i], 0)
 
-        def one(a, s, i=i, ok=ok, dst=dst):
-            row = jnp.where(ok, s[i : i + 1].astype(a.dtype), jax.lax.dynamic_slice_in_dim(a, dst, 1))
-            return jax.lax.dynamic_update_slice_in_dim(a, row, dst, axis=0)
+        def one(a, s, axis, i=i, ok=ok, dst=dst):
+            row = jax.lax.slice_in_dim(s, i, i + 1, axis=axis).astype(a.dtype)
+            row = jnp.where(ok, row, jax.lax.dynamic_slice_in_dim(a, dst, 1, axis))
+            return jax.lax.dynamic_update_slice_in_dim(a, row, dst, axis)
 
-        cache = jax.tree.map(one, cache, staging)
+        cache = map_rows(one, cache, staging)
     return cache
 
 

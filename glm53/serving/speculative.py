@@ -28,29 +28,32 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm53 import sampling
+from glm53.generate import map_layers
 from glm53.layers.kda import KDACache
 from glm53.model import Cache
 from glm53.serving import programs as P
 
 
 def _with_first(cache: Cache) -> Cache:
-    """Asks every KDA layer for its state after the first of the step's tokens."""
-    layers = tuple(c.replace(after_first=(c.conv_state, c.state)) if isinstance(c, KDACache) else c
-                   for c in cache.layers)  # fmt: skip
-    return cache.replace(layers=layers)
+    """Asks every KDA layer for its state after the first of the step's tokens (a scanned group's too: the scan
+    hands each layer its slice of the stacked `after_first` and stacks what the layers return)."""
+    def one(c, lead):
+        return c.replace(after_first=(c.conv_state, c.state)) if isinstance(c, KDACache) else c
+
+    return cache.replace(layers=map_layers(one, cache.layers))
 
 
 def _roll_back(cache: Cache, keep: jnp.ndarray) -> Cache:
     """Per slot: the KDA state after both tokens where `keep`, else after the first; `after_first` dropped."""
 
-    def one(c):
+    def one(c, lead):  # lead: a stacked cache's repeat axis in front of the batch axis (broadcast over it)
         if not isinstance(c, KDACache):
             return c
         conv, st = c.after_first
-        sel = lambda a, b: jnp.where(keep.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
+        sel = lambda a, b: jnp.where(keep.reshape((-1,) + (1,) * (a.ndim - 1 - lead)), a, b)  # noqa: E731
         return KDACache(sel(c.conv_state, conv), sel(c.state, st))
 
-    return cache.replace(layers=tuple(one(c) for c in cache.layers))
+    return cache.replace(layers=map_layers(one, cache.layers))
 
 
 def build(graphdef, keys):
