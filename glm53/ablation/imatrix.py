@@ -5,8 +5,11 @@ For every MoE layer and routed-expert matrix, per expert e and input column j: t
 per expert -- what llama-imatrix's `collect_imatrix` accumulates for a MUL_MAT_ID. gate and up read the layer's
 input x[t] (the same sums, two entries), down reads h = clamped_swiglu(x W_gate[e], x W_up[e]).
 
-`capture(model)` swaps each MoE layer's `experts` for a `Capture` that runs them unchanged and stores one
-forward's sums in `ImatrixStat` variables; `collect` runs chunks through the model and adds them up in float64.
+`capture(model)` swaps each MoE layer's `experts` for a `Capture` that runs them unchanged and records one
+forward's sums (glm53.layers.records); `collect` runs chunks through the model and adds them up in float64 per
+trunk layer. A model with scanned layers (`ModelConfig.scan_layers`) is captured as it is, without unrolling: a
+stacked period position's Capture records once per repeat (a leading repeat axis out of the scan), and `collect`
+files repeat r under trunk layer `group.layer(r, j)`; the sums equal the unrolled model's (float rounding aside).
 
 File (`write_imatrix` / `read_imatrix`): the GGUF llama-imatrix writes by default and ``llama-quantize
 --imatrix`` reads: general.type "imatrix", imatrix.datasets / chunk_count / chunk_size, and per matrix
@@ -32,13 +35,11 @@ from gguf.constants import GGUFType, Keys
 from glm53.checkpoint.gguf_rules import DEFAULT_ARCH
 from glm53.errors import CheckpointError
 from glm53.files import atomic_write
+from glm53.layers import records
+from glm53.layers.stack import LayerStack
 from glm53.model import Glm53Model
 from glm53.quant.mixes import MATRICES
 from kernels.moe import reference, routing
-
-
-class ImatrixStat(nnx.Variable):
-    """One forward's imatrix sums of a `Capture` (not a parameter)."""
 
 
 def tensor_name(layer: int, matrix: str) -> str:
@@ -46,20 +47,23 @@ def tensor_name(layer: int, matrix: str) -> str:
 
 
 class Capture(nnx.Module):
-    """Runs `inner` (an `Experts`) unchanged; stores sq_in [E, D] (sum of x² over the slots of each expert), sq_h
-    [E, F] (sum of h²) and count [E] of the call (and, with `record`, its x [T, D] and ids [T, K])."""
+    """Runs `inner` (an `Experts`) unchanged; while a `glm53.layers.records.recording()` block is open, also
+    records under `name` {sq_in [E, D] (sum of x² over the slots of each expert), sq_h [E, F] (sum of h²),
+    count [E]} of the call (and, with `record`, its x [T, D] and ids [T, K]). Inside a scanned LayerStack the
+    values come out of the scan with a leading repeat axis. No state of its own: it can sit in a stacked layer."""
 
-    def __init__(self, inner, n_experts: int, hidden: int, width: int, record: bool = False):
+    def __init__(self, inner, name: str, n_experts: int, record: bool = False):
         self.inner = inner
+        self.name = name
         self.n_experts = n_experts
         self.record = record
-        self.sq_in = ImatrixStat(jnp.zeros((n_experts, hidden), jnp.float32))
-        self.sq_h = ImatrixStat(jnp.zeros((n_experts, width), jnp.float32))
-        self.count = ImatrixStat(jnp.zeros((n_experts,), jnp.float32))
-        self.x = ImatrixStat(jnp.zeros((0, hidden), jnp.float32))
-        self.ids = ImatrixStat(jnp.zeros((0, 1), jnp.int32))
 
     def __call__(self, x_td, ids_tk, w_tk):
+        if records.active() is not None:
+            records.record(self.name, self.sums(x_td, ids_tk))
+        return self.inner(x_td, ids_tk, w_tk)
+
+    def sums(self, x_td, ids_tk) -> dict:
         e, k = self.n_experts, ids_tk.shape[1]
         flat, order, sizes, _ = routing.sort_by_expert(ids_tk, e)
         # the input of each slot, sorted by expert
@@ -68,34 +72,48 @@ class Capture(nnx.Module):
         u = reference.grouped_matmul(xs, self.inner.up_proj.get_value(), sizes)
         h = reference.clamped_swiglu(g, u, self.inner.swiglu_limit)
         eid = flat[order]  # E (empty slot) is out of range: segment_sum drops it
-        self.sq_in.set_value(jax.ops.segment_sum(xs * xs, eid, num_segments=e))
-        self.sq_h.set_value(jax.ops.segment_sum(h * h, eid, num_segments=e))
-        self.count.set_value(jax.ops.segment_sum(jnp.ones_like(eid, jnp.float32), eid, num_segments=e))
+        out = dict(sq_in=jax.ops.segment_sum(xs * xs, eid, num_segments=e),
+                   sq_h=jax.ops.segment_sum(h * h, eid, num_segments=e),
+                   count=jax.ops.segment_sum(jnp.ones_like(eid, jnp.float32), eid, num_segments=e))  # fmt: skip
         if self.record:
-            self.x.set_value(x_td.astype(jnp.float32))
-            self.ids.set_value(ids_tk.astype(jnp.int32))
-        return self.inner(x_td, ids_tk, w_tk)
+            out.update(x=x_td.astype(jnp.float32), ids=ids_tk.astype(jnp.int32))
+        return out
 
 
 def moe_layers(model: Glm53Model) -> list[int]:
     return [i for i, t in enumerate(model.cfg.mlp_layer_types) if t == "moe"]
 
 
+def _moe_sites(model: Glm53Model) -> list[tuple[nnx.Module, str, list[tuple[int, int | None]]]]:
+    """[(MoE module, its path name, [(trunk layer, repeat or None)] it runs)]: one per plain MoE layer and one per
+    MoE position of a scanned LayerStack's period (its layers' values stacked over the repeats)."""
+    kinds, out = model.cfg.mlp_layer_types, []
+    for u, (unit, g) in enumerate(zip(model.layers, model.groups)):
+        if isinstance(unit, LayerStack):
+            for j, layer in enumerate(unit.period):
+                if kinds[g.layer(0, j)] == "moe":
+                    runs = [(g.layer(r, j), r) for r in range(g.repeats)]
+                    out.append((layer.mlp, f"layers.{u}.period.{j}.mlp", runs))
+        elif kinds[g.first] == "moe":
+            out.append((unit.mlp, f"layers.{u}.mlp", [(g.first, None)]))
+    return out
+
+
 @contextlib.contextmanager
 def capture(model: Glm53Model, record: bool = False) -> Iterator[dict[int, Capture]]:
-    """Every trunk MoE layer's experts wrapped in a `Capture` for the block; {layer: Capture}. Restored after."""
-    cfg, caps = model.cfg, {}
-    for i in moe_layers(model):
-        moe = model.layers[i].mlp
-        caps[i] = Capture(
-            moe.experts, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, record
-        )
-        moe.experts = caps[i]
+    """Every trunk MoE layer's experts wrapped in a `Capture` for the block; {layer: Capture} (the layers of a
+    scanned group's period position share one). Restored after."""
+    caps, sites = {}, []
+    for moe, name, layers in _moe_sites(model):
+        cap = Capture(moe.experts, name, model.cfg.n_routed_experts, record)
+        moe.experts = cap
+        sites.append((moe, cap))
+        caps.update({i: cap for i, _ in layers})
     try:
         yield caps
     finally:
-        for i, c in caps.items():
-            model.layers[i].mlp.experts = c.inner
+        for moe, cap in sites:
+            moe.experts = cap.inner
 
 
 class Imatrix:
@@ -124,22 +142,24 @@ def collect(model: Glm53Model, chunks: Iterable[Iterable[int]], *, dataset: str 
     if not chunks:
         raise ValueError("imatrix: no calibration chunks")
     im, seen = Imatrix(len(chunks[0]), [dataset] if dataset else []), []
-    with capture(model, record) as caps:
+    sites = {name: layers for _, name, layers in _moe_sites(model)}
+    order = sorted((i, name, r) for name, layers in sites.items() for i, r in layers)  # trunk layer order
+    with capture(model, record):
         graphdef, state = nnx.split(model)
 
         @jax.jit
         def fwd(state, tokens):
-            m = nnx.merge(graphdef, state)
-            m(tokens)
-            return nnx.state(m, ImatrixStat)
+            with records.recording() as rec:
+                nnx.merge(graphdef, state)(tokens)
+            return {name: rec[name] for name in sites}
 
         for chunk in chunks:
-            stats = fwd(state, jnp.asarray(chunk[None]))
-            for i in caps:
-                s = stats["layers"][i]["mlp"]["experts"]
-                im.add(i, s["sq_in"].get_value(), s["sq_h"].get_value(), s["count"].get_value())
+            out = fwd(state, jnp.asarray(chunk[None]))
+            for i, name, r in order:
+                s = out[name] if r is None else jax.tree.map(lambda x, r=r: x[r], out[name])
+                im.add(i, s["sq_in"], s["sq_h"], s["count"])
                 if record:
-                    seen.append((i, np.asarray(s["x"].get_value()), np.asarray(s["ids"].get_value())))
+                    seen.append((i, np.asarray(s["x"]), np.asarray(s["ids"])))
             im.chunks += 1
     return (im, seen) if record else im
 

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from tokenizers import Tokenizer
 
-from glm53 import assets, build, scoring
+from glm53 import assets, build, dims, scoring
 from glm53.ablation import imatrix as imx
 from glm53.ablation import llama, report, stats
 from glm53.ablation.variants import Variant, expert_bytes, moe_layers, parse_variants
@@ -40,6 +40,7 @@ from glm53.files import atomic_write, write_json
 from glm53.quant import ggml
 from glm53.quant.int8 import quantize_int8
 from glm53.quant.mixes import MATRICES
+from glm53.train import per_layer
 
 RESULTS, TOKENS, BASE_GGUF, IMATRIX = "results.json", "tokens.json", "base.gguf", "imatrix.gguf"
 BASE_LOGITS = "base_logits.npz"
@@ -178,18 +179,33 @@ def summary(logits: np.ndarray, base: np.ndarray, chunks: list[list[int]]) -> di
 
 # ------------------------------------------------------------------------------------------------ variants
 def int8_non_experts(model) -> int:
-    """Replaces every non-expert Linear kernel (2-D, not the router, which the model keeps f32) by its int8
-    per-output-channel round trip (`glm53.quant.int8`); returns how many."""
+    """Replaces every non-expert Linear kernel (2-D per layer, not the router, which the model keeps f32) by its
+    int8 per-output-channel round trip (`glm53.quant.int8`); returns how many (per layer: a kernel stacked over a
+    scanned group's repeats, leading axis `dims.LAYERS`, is rounded and counted per repeat, as unrolled)."""
     state = nnx.state(model, nnx.Param)
     n = 0
     for path, var in nnx.to_flat_state(state):
         v = var.get_value()
         names = [str(p) for p in path]
-        if names[-1] == "kernel" and "router" not in names and getattr(v, "ndim", 0) == 2:
-            var.set_value(jnp.asarray(quantize_int8(np.asarray(v)).dequantize(), v.dtype))
-            n += 1
+        axes = var.get_metadata().get("logical_axes") or ()
+        stacked = int(bool(axes) and axes[0] == dims.LAYERS)
+        if names[-1] == "kernel" and "router" not in names and getattr(v, "ndim", 0) == 2 + stacked:
+            mats = np.asarray(v) if stacked else np.asarray(v)[None]
+            q = np.stack([quantize_int8(m).dequantize() for m in mats])
+            var.set_value(jnp.asarray(q if stacked else q[0], v.dtype))
+            n += len(mats)
     nnx.update(model, state)
     return n
+
+
+def layer_params(model) -> dict:
+    """`model_params` (our paths, host f32) named per trunk layer whatever the grouping: a scanned model's stacked
+    values are sliced per layer (`glm53.train.per_layer.expand_state`), so `write_gguf` and `weight_errors`
+    see the paths of the unrolled model."""
+    if not any(g.scanned for g in model.groups):
+        return model_params(model)
+    flat = per_layer.expand_state(nnx.state(model), model.groups)
+    return {p: np.asarray(v, np.float32) for p, v in flat.items()}
 
 
 def weight_errors(path: str, params, cfg: ModelConfig) -> tuple[dict, dict]:
@@ -287,7 +303,7 @@ def _base_logits(c, out, cfg, params, base_model, chunks) -> tuple[np.ndarray, n
 def _sweep(c, out, weights, cfg, chunks, todo: list[Variant], results: dict, log) -> None:
     t0 = time.time()
     _, base_model = build.load_model(weights, dtype=jnp.float32, with_mtp=False)
-    params = model_params(base_model)
+    params = layer_params(base_model)
     base, base_ll = _base_logits(c, out, cfg, params, base_model, chunks)
     if base_ll is not None:
         results["llama_cpp_base_max_abs_logit_diff"] = float(np.max(np.abs(base_ll - base)))

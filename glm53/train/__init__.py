@@ -5,5 +5,6 @@ update, and the jitted train / eval steps.
                            `sequence_balance_loss`;
   * `glm53.train.loss`:    `LossConfig`, `token_nll`, `next_token_loss`, `mtp_loss`, `losses`;
   * `glm53.train.step`:    `OptimConfig`, `TrainState`, `split_model`, `init_state`, `make_train_step`,
-                           `make_eval_step`.
+                           `make_eval_step`;
+  * `glm53.train.per_layer`: per-layer names of a scanned model's values (`expand_names`, `expand_state`).
 """

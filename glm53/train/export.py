@@ -63,7 +63,8 @@ def check_data(workdir: str, config) -> dict:
 
 
 def restore(workdir: str, config, log=print):
-    """(cfg, model with the latest checkpoint's f32 parameters, step) of a run."""
+    """(cfg, model with the latest checkpoint's f32 parameters, step) of a run; always unrolled (a run with
+    `scan_layers` trains stacked layers: they are sliced back per layer, as checkpoints on disk name them)."""
     trainer = Trainer(config, workdir, log=log, progress=False)
     try:
         step = trainer.restore_latest()
@@ -73,7 +74,8 @@ def restore(workdir: str, config, log=print):
         model = nnx.merge(trainer.graphdef, s.params, s.biases, trainer.rest)
     finally:
         trainer.close()
-    return trainer.cfg, model, step
+    model.set_scan_layers(False)
+    return model.cfg, model, step
 
 
 def variant_of(config, variants) -> str | None:

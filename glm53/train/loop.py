@@ -39,7 +39,7 @@ from glm53.errors import ConfigError, TrainingError
 from glm53.files import write_json
 from glm53.model import Glm53Model
 from glm53.parallel import distributed
-from glm53.train import plot, routing
+from glm53.train import per_layer, plot, routing
 from glm53.train import step as S
 from glm53.train.loss import LossConfig
 
@@ -136,7 +136,8 @@ class Trainer:
         self.train_data = PackedLoader(os.path.join(data_dir, "train.bin"), seed=self.rc.seed, **kw)
         self.val_data = PackedLoader(os.path.join(data_dir, "validation.bin"), **kw)
         model = Glm53Model(self.cfg, rngs=nnx.Rngs(self.rc.seed), kernels=S.TRAIN_KERNELS)
-        self.router_names = routing.instrument_routers(model)
+        self.router_names = routing.instrument_routers(model)  # module paths (a scanned group's router: once)
+        self.groups = model.groups  # the trunk's grouping (ModelConfig.scan_layers): per-layer names of stats
         self.graphdef, params, biases, self.rest = S.split_model(model)
         self.tx = S.optimizer(self.optim)
         self.mesh, self.rules = train_mesh(config, self.cfg)
@@ -150,7 +151,7 @@ class Trainer:
                                          shardings=(self.state_sh, self.batch_sh))  # fmt: skip
         self.eval_fn = S.make_eval_step(self.graphdef, self.rest, self.loss_cfg, self.optim.compute_dtype,
                                         fast_compile=fast)  # fmt: skip
-        self.last_loads: dict = {}
+        self.last_loads: dict = {}  # the last step's {per-layer router name: load [E]} (`per_layer.expand_names`)
         self.treedef = jax.tree.structure(self.state)
         self.manager = ocp.CheckpointManager(
             os.path.join(self.workdir, "checkpoints"),
@@ -214,7 +215,7 @@ class Trainer:
         for step in range(start, total):
             batch = distributed.device_put(self.train_data.batch(step), self.batch_sh)  # each process: its rows
             self.state, m = self.step_fn(self.state, batch)
-            self.last_loads = m.pop("loads")
+            self.last_loads = per_layer.expand_names(m.pop("loads"), self.groups)
             m = {k: float(v) for k, v in m.items()}
             if not math.isfinite(m["loss"]):
                 self.manager.wait_until_finished()

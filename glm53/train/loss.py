@@ -65,7 +65,9 @@ def mtp_loss(model: nnx.Module, h_btd, tokens_bt, mask_bt):
 def losses(model: nnx.Module, batch: dict, cfg: LossConfig, router_names=()) -> tuple[jnp.ndarray, dict]:
     """(total loss, aux) for one batch. aux: lm / mtp / balance losses, their target counts, and ``loads``
     {router name: f32 [E] assignments} (stop-gradient) for every name in `router_names` (instrumented routers,
-    see glm53.train.routing; MTP routers count positions whose MTP input token is real)."""
+    see glm53.train.routing; MTP routers count positions whose MTP input token is real). A router of a scanned
+    LayerStack records once per repeat: its loads are [R, E] and each repeat is one router of the balance loss's
+    mean, as when unrolled."""
     tokens, mask = batch["tokens"], batch["mask"].astype(jnp.float32)
     b, t = tokens.shape
     with_mtp = model.mtp is not None and cfg.mtp_weight > 0
@@ -81,8 +83,8 @@ def losses(model: nnx.Module, batch: dict, cfg: LossConfig, router_names=()) -> 
         stacked = ids.ndim == 3  # a router of a scanned LayerStack: one record per repeat [R, N, ...]
         ids_r, probs_r = (ids, probs) if stacked else (ids[None], probs[None])
         valid = mask if ids_r.shape[1] == b * t else mask[:, 1:]
-        steps = valid.shape[1]
-        load = jax.vmap(lambda i: routing.expert_load(i, valid.reshape(-1), probs.shape[-1]))(ids_r)
+        steps, n_experts = valid.shape[1], probs.shape[-1]
+        load = jnp.stack([routing.expert_load(i, valid.reshape(-1), n_experts) for i in ids_r])
         loads[name] = jax.lax.stop_gradient(load if stacked else load[0])
         if cfg.balance_weight:
             balance.extend(routing.sequence_balance_loss(

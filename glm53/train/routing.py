@@ -59,7 +59,11 @@ class RecordingRouter(Router):
 
 def instrument_routers(model: nnx.Module) -> list[str]:
     """Replaces every `Router` in `model` (in place) by a `RecordingRouter`; returns the routers' names (their
-    module paths, e.g. ``layers.3.mlp.router``, ``mtp.mlp.router``) in call order. Idempotent."""
+    module paths, e.g. ``layers.3.mlp.router``, ``mtp.mlp.router``) in call order. Idempotent.
+
+    On a model with scanned layers (`ModelConfig.scan_layers`) a LayerStack's router is one module, named once
+    (e.g. ``layers.2.period.1.mlp.router``), and records ids [R, N, K] / affinities [R, N, E], one per repeat;
+    `glm53.train.per_layer.expand_names` turns such names and values into per-layer ones (``layers.<i>...``)."""
     names = []
     for path, node in list(nnx.iter_graph(model)):
         if isinstance(node, Router) and path and path[-1] == "router":
@@ -69,6 +73,8 @@ def instrument_routers(model: nnx.Module) -> list[str]:
                 for p in path[:-1]:
                     parent = parent[p] if isinstance(p, int) else getattr(parent, p)
                 parent.router = RecordingRouter(node, name)
+            else:
+                node.name = name  # instrumented before `set_scan_layers` moved it: renamed to its new path
             names.append(name)
     return sorted(
         names, key=lambda n: (n.startswith("mtp"), [int(p) if p.isdigit() else p for p in n.split(".")])

@@ -6,6 +6,10 @@ routers' ``e_score_correction_bias``), the router biases, and anything else. `Tr
 f32 parameters, the biases and the optimizer state; `make_train_step(...)` returns ``step(state, batch) ->
 (state, metrics)``, jitted with the state donated. Inside, the parameters are cast to the compute dtype (the
 routers stay f32) and merged into the model; the gradient flows back to the f32 masters.
+
+A model with `ModelConfig.scan_layers` trains the same way: its stacked parameters (leading repeat axis) are
+ordinary leaves here, the optimizer treats them per layer (weight decay by a layer's rank, `decays`), and each
+stacked router's bias is updated per repeat from its [repeats, E] loads (docs/scan.md).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from glm53 import parallel
+from glm53 import dims, parallel
 from glm53.layers.param import path_str
 from glm53.train import routing
 from glm53.train.loss import LossConfig, losses
@@ -69,8 +73,21 @@ def schedule(cfg: OptimConfig) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, decay, cfg.lr * cfg.end_lr_ratio)
 
 
+def decays(x) -> bool:
+    """Whether weight decay applies to a parameter: matrices, i.e. rank >= 2 per layer (a stacked parameter of a
+    scanned LayerStack, whose logical axes start with `dims.LAYERS`, counts without its repeat axis)."""
+    if not isinstance(x, nnx.Variable):
+        return x.ndim >= 2
+    axes = x.get_metadata().get("logical_axes") or ()
+    return x.get_value().ndim - (1 if axes and axes[0] == dims.LAYERS else 0) >= 2
+
+
+def decay_mask(params):
+    """`decays` of every parameter (a prefix tree of `params`: one bool per Variable)."""
+    return jax.tree.map(decays, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)  # noqa: E731
     adamw = optax.adamw(
         schedule(cfg), cfg.b1, cfg.b2, cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask
     )
@@ -170,12 +187,15 @@ def make_train_step(
     jit=True,
     fast_compile=False,
     shardings: tuple[TrainState, NamedSharding] | None = None,
+    with_grads: bool = False,
 ):
     """step(state, batch) -> (new state, metrics); metrics: loss, lm_loss, mtp_loss, balance_loss, grad_norm (before
     clipping), lr (of this step), load_max / load_min, tokens (targets of the next-token loss), and ``loads``
-    {router name: f32 [E]} (the loads the bias update used). `shardings`: (state shardings, batch sharding)
-    (`state_shardings`, `batch_sharding`) to compile the step for a mesh: the state keeps its shardings, the
-    metrics come back replicated."""
+    {router name: f32 [E]} (the loads the bias update used; a router of a scanned LayerStack: [repeats, E] under
+    its module path, `glm53.train.per_layer.expand_names` names them per layer). `shardings`: (state shardings,
+    batch sharding) (`state_shardings`, `batch_sharding`) to compile the step for a mesh: the state keeps its
+    shardings, the metrics come back replicated. `with_grads`: the metrics also hold ``grads``, the gradient
+    state before clipping (for checks)."""
     compute_dtype = jnp.dtype(optim.compute_dtype)
     loss_fn = make_loss_fn(graphdef, rest, loss_cfg, compute_dtype, router_names)
     lr_at = schedule(optim)
@@ -188,6 +208,8 @@ def make_train_step(
         metrics = dict(loss=loss, lm_loss=aux["lm_loss"], mtp_loss=aux["mtp_loss"], balance_loss=aux["balance_loss"],
                        grad_norm=optax.tree.norm(grads), lr=lr_at(state.step), tokens=aux["lm_tokens"],
                        loads=aux["loads"], **load_stats(aux["loads"]))  # fmt: skip
+        if with_grads:
+            metrics["grads"] = grads
         return TrainState(state.step + 1, params, biases, opt_state), metrics
 
     if not jit:
