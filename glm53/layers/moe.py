@@ -108,7 +108,10 @@ class Experts(nnx.Module):
         if any(isinstance(w, StackedSlice) for w in ws):  # a scanned layer (glm53/layers/stack.py)
             n_slots = topk_ids_tk.shape[0] * topk_ids_tk.shape[1]
             name = moe_api.select_implementation(self.implementation, n_slots, self.decode_max_slots)
-            if name.startswith(IN_PLACE):  # kernels that fetch experts by id read the stack where it lies
+            # Decode kernels fetch the routed experts by id: they read the stack where it lies. A prefill kernel
+            # pads every expert's rows to whole tiles, so on the merged stack (R x E experts) its row buffer
+            # would grow R-fold: prefill takes the layer's slice (one layer's planes, copied once per step).
+            if name.startswith(IN_PLACE) and name.endswith("_decode"):
                 ws, ids = zip(*(w.merged(topk_ids_tk) for w in ws))
                 topk_ids_tk = ids[0]
             else:

@@ -311,8 +311,9 @@ class LayerStack(nnx.Module):
         experts = [(p, v) for p, v in flat if in_place_experts(p)]  # closed over whole: StackedSlice
         scanned = nnx.from_flat_state([(p, v) for p, v in flat if not in_place_experts(p)])
 
-        def body(x, xs):
-            r, st, caches = xs
+        def body(carry, xs):
+            x, caches = carry
+            r, st = xs
             pieces = list(nnx.to_flat_state(_with_axes(st, _drop_layers)))
             for p, v in experts:
                 axes = v.get_metadata().get("logical_axes")
@@ -321,15 +322,26 @@ class LayerStack(nnx.Module):
             new, sel = [], None
             with records.scan_records() as rec:
                 for j, layer in enumerate(period):
-                    c = None if caches is None else caches[j]
+                    c = None if caches is None else _index(caches[j], r)
                     x, c, sel = layer(x, cache=c, start_b=start_b, selection=sel)
-                    new.append(c)
-            return x, (None if caches is None else tuple(new), sel if has_dsa else None, rec)
+                    new.append(None if caches is None else _update(caches[j], c, r))
+            return (x, None if caches is None else tuple(new)), (sel if has_dsa else None, rec)
 
+        # The caches ride in the carry, each layer's read and written back at its repeat: a loop-carried buffer is
+        # updated in place, where scanning them as xs -> ys would hold a second copy of the group's caches.
         steps = jnp.arange(self.group.repeats, dtype=jnp.int32)
-        x_btnd, (caches, sels, rec) = jax.lax.scan(body, x_btnd, (steps, scanned, cache))
+        with jax.named_scope(f"scan_layers_{self.group.first}"):  # names the loop in jaxprs, HLO and profiles
+            (x_btnd, caches), (sels, rec) = jax.lax.scan(body, (x_btnd, cache), (steps, scanned))
         records.add_records(rec)
         return x_btnd, caches, (sels[-1] if has_dsa else selection)
+
+
+def _index(cache, r):
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False), cache)
+
+
+def _update(stacked, cache, r):
+    return jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b.astype(a.dtype), r, 0), stacked, cache)
 
 
 def _set_layer_idx(layer: nnx.Module, i: int) -> None:
