@@ -39,6 +39,7 @@ from experiments import cli
 from glm53 import assets, build, files
 from glm53.benchmarks import serve as S
 from glm53.config import model_config_from_dict
+from glm53.layers.stack import describe_groups
 from glm53.parallel import distributed
 from glm53.serving import multihost
 
@@ -139,9 +140,11 @@ def main(argv):
         model = build.random_model(cfg, seed=_CONFIG.value.seed, with_mtp=with_mtp, kernels=kernels)
     else:
         cfg, model = build.load_model(weights, with_mtp=with_mtp, kernels=kernels)
+        model = build.apply_runtime_fields(model, _CONFIG.value)  # e.g. --config with model.scan_layers
     if with_mtp and model.mtp is None:
         raise app.UsageError("--mtp: this model has no MTP block")
     say(label or weights or f"config {cli.config_name('config')} (random weights)", flush=True)
+    say(describe_groups(model.groups), flush=True)
     if _STEP_COSTS.value:
         return _step_costs(model, streams)
     rows, traces, setups = [], [], []

@@ -174,8 +174,7 @@ def main(argv):
     else:
         cfg, model = build.load_model(weights, dtype=build.parse_dtype(_DTYPE.value), with_mtp=_SPEC.value,
                                       kernels={"moe": _MOE_IMPL.value})  # fmt: skip
-    if "scan_layers" in build.runtime_fields(_CONFIG.value):  # weights load per layer; a scanned run stacks them
-        model.set_scan_layers(build.runtime_fields(_CONFIG.value)["scan_layers"])
+    model = build.apply_runtime_fields(model, _CONFIG.value)  # e.g. model.scan_layers: stacks the loaded layers
     if _SPEC.value and model.mtp is None:
         raise app.UsageError("--speculative drafts with the MTP block, and this model has none")
     tok = tokenizer.load_tokenizer(weights, vocab_size=cfg.vocab_size)

@@ -112,6 +112,17 @@ def runtime_fields(config) -> dict:
     return {k: config.model[k] for k in RUNTIME_FIELDS if k in config.model}
 
 
+def apply_runtime_fields(model: Glm53Model, config) -> Glm53Model:
+    """Sets the RUNTIME_FIELDS that `config.model` names on a loaded model (the latent cache layout; stacking or
+    unstacking its layers); returns it."""
+    runtime = runtime_fields(config)
+    if "latent_cache_dtype" in runtime:
+        model.set_latent_cache_dtype(runtime["latent_cache_dtype"])
+    if "scan_layers" in runtime:  # weights load per layer (unrolled); a scanned run stacks them here, on device
+        model.set_scan_layers(runtime["scan_layers"])
+    return model
+
+
 def check_model_section(config, cfg: ModelConfig) -> None:
     """ConfigError naming the first `config.model` field that differs from `cfg` (the weights' config);
     RUNTIME_FIELDS are not compared (they come from the experiment config)."""
@@ -210,12 +221,7 @@ def sharded_model(
             weights, experts=experts, dtype=dtype, with_mtp=with_mtp,
             abstract_fn=lambda build: S.abstract_sharded_model(build, mesh, rules), **kw,
         )  # fmt: skip
-    runtime = runtime_fields(config)
-    if "latent_cache_dtype" in runtime:
-        model.set_latent_cache_dtype(runtime["latent_cache_dtype"])
-    if "scan_layers" in runtime:  # weights load per layer (unrolled); a scanned run stacks them here, on device
-        model.set_scan_layers(runtime["scan_layers"])
-    cfg = model.cfg
+    cfg = apply_runtime_fields(model, config).cfg
     return ShardedModel(cfg, model, mesh, rules)
 
 

@@ -188,3 +188,36 @@ def test_release_non_expert_weights_equal_the_budget(placement, gb):
     budget = {k: v["bytes_per_device"] for k, v in non_expert_by_class(cfg, 8, placement).items()}
     assert compile_tpu.weights_by_class(model) == budget
     assert sum(budget.values()) == gb
+
+
+# ------------------------------------------------------------------------------ whole programs with scanned layers
+def test_whole_scanned_program_counts_every_loop_iteration():
+    """--compose=full on a scanned model (KDA + dense, then 3 identical KDA + MoE layers: one loop of 3): the
+    program compiles whole with one loop unit whose 2 further iterations are added to XLA's count (its cost
+    analysis counts a loop body once), so flops equal the unrolled program's, and the unrolled program's bytes
+    accessed lie between XLA's count (lower bound) and the count with every iteration measured on the loop
+    compiled alone (upper bound: that program's one-time reads count once more per iteration)."""
+    config = _narrow_config()
+    config.model.update(num_hidden_layers=4, layer_types=["kda"] * 4, mlp_layer_types=["dense"] + ["moe"] * 3,
+                        indexer_types=["full"] * 4)  # fmt: skip
+    settings = Settings(experts="iq4_xs", streams=(2,), prefill=(), context=256, census=False, compose="full")
+    totals = {}
+    for scan in (True, False):
+        config.model.scan_layers = scan
+        r = compile_tpu.run(config, settings, progress=lambda _: None)
+        p = r["programs"][0]
+        assert all("error" not in u for u in p["units"])
+        totals[scan] = p["total"]
+        if scan:
+            assert r["model"]["groups"] == "layers: 2 traced for 4 (0, 1-3 (scan: 3 x 1))"
+            assert [(u["name"], u["count"]) for u in p["units"]] == [("model", 1), ("loop 1-3 (scan: 3 x 1)", 2)]
+            loop = p["units"][1]
+            assert p["total"]["loop_iterations"] == {loop["name"]: 2}
+            assert p["total"]["cost"]["bytes_accessed_loops"] == 2 * loop["cost"]["bytes_accessed"] > 0
+        else:
+            assert [u["name"] for u in p["units"]] == ["model"]
+    s, u = totals[True], totals[False]
+    assert s["weights"] == u["weights"] and s["expert_bytes_read"] == u["expert_bytes_read"]
+    assert s["cost"]["flops"] == pytest.approx(u["cost"]["flops"], rel=0.02)
+    assert s["cost"]["bytes_accessed_lower"] < u["cost"]["bytes_accessed"] < s["cost"]["bytes_accessed"]
+    assert u["cost"]["bytes_accessed_lower"] == u["cost"]["bytes_accessed"]  # no loops: one count

@@ -69,9 +69,11 @@ class Unit:
     prefix: str = ""  # of the parameter paths in the unit's state (args[0]): "layers.<i>." in a layer
     expert_reads: int = 0  # bytes its expert kernels read per call (`_expert_reads`)
 
+    calls: int | None = None  # times per step when not one per layer (a loop body: its repeats beyond the first)
+
     @property
     def count(self) -> int:
-        return max(1, len(self.layers))
+        return self.calls if self.calls is not None else max(1, len(self.layers))
 
 
 class _EmbedHead(nnx.Module):
@@ -107,6 +109,26 @@ def _layer_kind(layer) -> str:
     return f"{attn}+moe[{'/'.join(fmts)}]"
 
 
+def _loop_bodies(model: Glm53Model, batch: int, tokens: int, cache, mesh, rules) -> list[Unit]:
+    """One unit per scanned group: its loop alone, compiled as a program of its own. XLA's cost analysis counts a
+    while loop's body once whatever its trip count, so the whole program's flops and bytes accessed miss
+    (repeats - 1) iterations of every loop; each unit here measures one iteration (`calls` = repeats - 1)."""
+    x = _placed((batch, tokens, model.cfg.hc_mult, model.cfg.hidden_size), jnp.bfloat16, (S.BATCH,) + (None,) * 3,
+                mesh, rules)  # fmt: skip
+    out = []
+    for u, g in enumerate(model.groups):
+        if not g.scanned:
+            continue
+        gd, state = nnx.split(model.layers[u])
+
+        def body(state, x, c, start, gd=gd):
+            return nnx.merge(gd, state)(x, cache=c, start_b=start)
+
+        out.append(Unit(f"loop {g.describe()}", body, (state, x, cache.layers[u], cache.length), (2,), list(g.layers),
+                        {}, 0, f"layers.{u}.", 0, calls=g.repeats - 1))  # fmt: skip
+    return out
+
+
 def programs(
     model: Glm53Model, batch: int, tokens: int, context: int, compose: str, mesh, rules
 ) -> list[Unit]:
@@ -126,19 +148,8 @@ def programs(
             return nnx.merge(gd, state)(ids, cache=cache)
 
         reads = _expert_reads(state, batch * tokens * cfg.num_experts_per_tok)
-        return [
-            Unit(
-                "model",
-                step,
-                (state, ids, cache),
-                (2,),
-                [],
-                _split_weights(state),
-                device_bytes(cache),
-                "",
-                reads,
-            )
-        ]
+        units = [Unit("model", step, (state, ids, cache), (2,), [], _split_weights(state), device_bytes(cache), "", reads)]
+        return units + _loop_bodies(model, batch, tokens, cache, mesh, rules)
     x = _placed(
         (batch, tokens, cfg.hc_mult, cfg.hidden_size), jnp.bfloat16, (S.BATCH,) + (None,) * 3, mesh, rules
     )
