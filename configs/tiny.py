@@ -46,6 +46,7 @@ _BASE = dict(
     hc_sinkhorn_iters=20,
     eos_token_ids=[0],
     pad_token_id=0,
+    scan_layers=False,  # runtime layout (docs/scan.md): --config.model.scan_layers=True scans repeating layers
 )
 
 VARIANTS = {

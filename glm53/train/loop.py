@@ -37,6 +37,7 @@ from glm53.data.packing import PackedLoader
 from glm53.data.prepare import data_config_from_dict, prepare_data
 from glm53.errors import ConfigError, TrainingError
 from glm53.files import write_json
+from glm53.layers.stack import describe_groups
 from glm53.model import Glm53Model
 from glm53.parallel import distributed
 from glm53.train import per_layer, plot, routing
@@ -138,6 +139,8 @@ class Trainer:
         model = Glm53Model(self.cfg, rngs=nnx.Rngs(self.rc.seed), kernels=S.TRAIN_KERNELS)
         self.router_names = routing.instrument_routers(model)  # module paths (a scanned group's router: once)
         self.groups = model.groups  # the trunk's grouping (ModelConfig.scan_layers): per-layer names of stats
+        if distributed.is_main_process():
+            log(describe_groups(self.groups))
         self.graphdef, params, biases, self.rest = S.split_model(model)
         self.tx = S.optimizer(self.optim)
         self.mesh, self.rules = train_mesh(config, self.cfg)
