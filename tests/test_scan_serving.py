@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
+from serving_helpers import run_staggered
 
 from configs import tiny
 from glm53 import build
@@ -62,17 +63,7 @@ def model():
 
 def _run(eng, prompts=PROMPTS, max_new=MAX_NEW, late=1, after=3):
     """(tokens, last event) per request: all but the last `late` submitted, `after` steps, then the rest."""
-    reqs = [E.Request(p, max_tokens=n) for p, n in zip(prompts, max_new)]
-    ev = {}
-    sink = lambda e: ev.setdefault(e.request_id, []).append(e)  # noqa: E731
-    for r in reqs[: len(reqs) - late]:
-        eng.submit(r, sink)
-    for _ in range(after):
-        eng.step()
-    for r in reqs[len(reqs) - late :]:
-        eng.submit(r, sink)
-    eng.run_until_idle()
-    return [[t for e in ev[r.id] for t in e.token_ids] for r in reqs], [ev[r.id][-1] for r in reqs]
+    return run_staggered(eng, [E.Request(p, max_tokens=n) for p, n in zip(prompts, max_new)], late, after)
 
 
 @pytest.fixture(scope="module")

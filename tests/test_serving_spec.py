@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from serving_helpers import run_staggered
 
 from configs import tiny
 from glm53 import build, sampling
@@ -74,18 +75,7 @@ def _accepts(prompt, out, drafts):
     return drafted, accepted
 
 
-def _run(eng, reqs, late=2, after=3):
-    """Submits all but the last `late` requests, steps `after` times, submits the rest, runs to the end."""
-    ev = {}
-    sink = lambda e: ev.setdefault(e.request_id, []).append(e)  # noqa: E731
-    for r in reqs[: len(reqs) - late]:
-        eng.submit(r, sink)
-    for _ in range(after):
-        eng.step()
-    for r in reqs[len(reqs) - late :]:
-        eng.submit(r, sink)
-    eng.run_until_idle()
-    return [[t for e in ev[r.id] for t in e.token_ids] for r in reqs], [ev[r.id][-1] for r in reqs]
+_run = run_staggered
 
 
 def test_speculative_greedy_tokens_and_acceptance(setup):

@@ -29,6 +29,7 @@ from flax import nnx
 
 from glm53.config import ModelConfig
 from glm53.errors import CheckpointError
+from glm53.layers import stack
 from glm53.layers.param import Path, path_str
 from glm53.layers.stack import LayerGroup
 
@@ -59,17 +60,11 @@ def per_layer_config(cfg: ModelConfig) -> ModelConfig:
 
 
 def layer_paths(path: Sequence, groups: Sequence[LayerGroup]) -> list[tuple[Path, int | None]]:
-    """[(per-layer path, repeat r or None)] of a model path: one entry per trunk layer it covers, r None when the
-    value has no repeat axis (module docstring)."""
-    path = tuple(path)
-    if len(path) < 2 or path[0] != "layers" or not isinstance(path[1], int):
-        return [(path, None)]
-    g = groups[path[1]]
-    if not g.scanned:
-        return [(("layers", g.first, *path[2:]), None)]
-    if not is_stacked_path(path):
-        raise CheckpointError(f"{path_str(path)}: not a path inside the LayerStack of layers {g.describe()}")
-    return [(("layers", g.layer(r, path[3]), *path[4:]), r) for r in range(g.repeats)]
+    """`glm53.layers.stack.layer_paths`, a path into a LayerStack off its period a CheckpointError."""
+    try:
+        return stack.layer_paths(path, groups)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _slice(x, r: int):

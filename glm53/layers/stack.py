@@ -197,14 +197,20 @@ def unstack_module(module: nnx.Module, repeats: int) -> list[nnx.Module]:
     return [nnx.merge(graphdef, slice_state(state, r)) for r in range(repeats)]
 
 
-def stack_caches(caches: Sequence):
-    """Per-repeat caches of one period position -> one cache whose arrays have a leading repeat axis."""
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *caches)
-
-
-def cache_slice(cache, r: int):
-    """Repeat r of a stacked cache."""
-    return jax.tree.map(lambda x: x[r], cache)
+def layer_paths(path: Sequence, groups: Sequence[LayerGroup]) -> list[tuple[tuple, int | None]]:
+    """[(per-layer path, repeat r or None)] of a model parameter path (keys; digit strings read as indices): one
+    entry per trunk layer it covers (``layers.<u>.period.<j>.X`` -> ``layers.<group.layer(r, j)>.X`` for every
+    repeat r; a plain unit's ``layers.<u>.X`` -> ``layers.<first>.X``), r None when the value has no repeat axis.
+    ValueError for a path into a LayerStack that is not under its period."""
+    path = tuple(int(p) if isinstance(p, str) and p.isdigit() else p for p in path)
+    if len(path) < 2 or path[0] != "layers" or not isinstance(path[1], int):
+        return [(path, None)]
+    g = groups[path[1]]
+    if not g.scanned:
+        return [(("layers", g.first, *path[2:]), None)]
+    if len(path) < 4 or path[2] != "period" or not isinstance(path[3], int):
+        raise ValueError(f"{'.'.join(map(str, path))}: not a path inside the LayerStack of layers {g.describe()}")
+    return [(("layers", g.layer(r, path[3]), *path[4:]), r) for r in range(g.repeats)]
 
 
 # ------------------------------------------------------------------------------------------ in-place reads

@@ -19,28 +19,9 @@ from typing import Any
 
 from flax import nnx
 
-from glm53.layers.stack import LayerGroup
+from glm53.layers.stack import LayerGroup, layer_paths
 
 Path = tuple
-
-
-def _key(p):
-    return int(p) if isinstance(p, str) and p.isdigit() else p
-
-
-def layer_paths(path: Sequence, groups: Sequence[LayerGroup]) -> list[tuple[Path, int | None]]:
-    """[(per-layer path, repeat r or None)] of a unit-relative path (tuple of keys; digit strings are read as
-    indices): one entry per trunk layer it covers, r None when the value has no repeat axis."""
-    path = tuple(_key(p) for p in path)
-    if len(path) < 2 or path[0] != "layers" or not isinstance(path[1], int):
-        return [(path, None)]
-    g = groups[path[1]]
-    if not g.scanned:
-        return [(("layers", g.first, *path[2:]), None)]
-    if len(path) < 4 or path[2] != "period":
-        raise ValueError(f"{'.'.join(map(str, path))}: not a path inside the LayerStack of {g.describe()}")
-    j = path[3]
-    return [(("layers", g.layer(r, j), *path[4:]), r) for r in range(g.repeats)]
 
 
 def layer_name(name: str, groups: Sequence[LayerGroup]) -> list[tuple[str, int | None]]:
@@ -50,7 +31,7 @@ def layer_name(name: str, groups: Sequence[LayerGroup]) -> list[tuple[str, int |
 
 def sort_key(name: str):
     """Trunk layers in order, then everything else (the MTP block last), numbers compared as numbers."""
-    parts = [_key(p) for p in name.split(".")]
+    parts = [int(p) if p.isdigit() else p for p in name.split(".")]
     return (name.startswith("mtp"), [(0, p, "") if isinstance(p, int) else (1, 0, p) for p in parts])
 
 
