@@ -5,8 +5,10 @@ escapes and `\\uXXXX`, numbers, `true` / `false` / `null`, nesting) for text tha
 top-level object closes, at most a prefix of `</tool_call>`; with `names`, the text first is one of the names and a
 newline (a call whose name is generated too: `NAME\\n{...}`); with `keys` (a schema's `properties`), the top-level
 object's keys are among them (spelled without escapes) and, with `types` (their schemas' `type`), their values
-begin as that type does (`"` for a string, `{` an object, a digit or `-` a number...; the rest stays free). The
-object begins at once and whitespace outside
+begin as that type does (`"` for a string, `{` an object, a digit or `-` a number...; the rest stays free). A
+list of types (`["string", "null"]`) is their union (a value begins as any of them does); any other `type` (an
+unknown name, an object, an empty list, a list with an unknown name) leaves that value free. The object begins
+at once and whitespace outside
 strings comes in runs of at most `MAX_WS` characters (one: `json.dumps`'s `, ` and `: ` spacing; a subset of
 JSON, so that a model cannot spend its tokens on whitespace: the shipped mini model would).
 
@@ -49,17 +51,28 @@ _FIRST = {
 }  # a JSON schema type's first characters (the first: its closing move)
 
 
+def first_chars(t) -> str:
+    """The characters a value of JSON schema `type` `t` may begin with, the closing move first: a type's, the
+    union of a list's (in `_FIRST` order, so the shortest close leads); '' (the value stays free) for anything
+    else (an unknown name, a non-string, an empty list or one holding an unknown name)."""
+    if isinstance(t, str):
+        return _FIRST.get(t, "")
+    if not isinstance(t, (list, tuple)) or not t or not all(isinstance(x, str) and x in _FIRST for x in t):
+        return ""
+    return "".join(dict.fromkeys("".join(f for name, f in _FIRST.items() if name in t)))
+
+
 class JsonObject:
     """The grammar's transitions. A state is a hashable tuple (mode, stack of open containers 'o' / 'a', aux);
     `step(state, ch)` is the state after `ch` or None when `ch` cannot follow."""
 
     def __init__(
-        self, names: Sequence[str] = (), keys: Sequence[str] = (), types: Mapping[str, str] | None = None
+        self, names: Sequence[str] = (), keys: Sequence[str] = (), types: Mapping[str, object] | None = None
     ):
         self.names = tuple(names)
-        self.types = tuple(
-            sorted((k, t) for k, t in (types or {}).items() if t in _FIRST)
-        )  # key -> JSON type
+        # key -> the characters its value may begin with (`first_chars` of its type; free keys left out)
+        firsts = ((k, first_chars(t)) for k, t in (types or {}).items() if isinstance(k, str))
+        self.types = tuple(sorted((k, f) for k, f in firsts if f))
         plain = all(k and '"' not in k and "\\" not in k and min(k) >= " " for k in keys)
         self.keys = (
             tuple(keys) if plain else ()
@@ -94,7 +107,7 @@ class JsonObject:
         if mode in ("lit", "tail"):
             return aux[:1] if mode == "lit" else ""
         if mode in ("tcolon", "tvalue"):
-            return ":" if mode == "tcolon" else _FIRST[aux[0]][0]
+            return ":" if mode == "tcolon" else aux[0][0]
         fixed = {"top": "{", "str": '"', "esc": "n", "hex": "0", "colon": ":", "key": '"', "value": "0",
                  "num-": "0", "num.": "0", "numE": "0", "numE-": "0"}  # fmt: skip
         return fixed.get(mode) or ("}" if stack[-1] == "o" else "]")
@@ -152,13 +165,13 @@ class JsonObject:
             return self.step(("after", stack, 0), ch)
         if mode == "tail":
             return ("tail", (), aux + 1) if aux < len(CLOSE) and CLOSE[aux] == ch else None
-        if mode in ("tcolon", "tvalue"):  # a typed key's colon / value (aux: the type, the whitespace run)
+        if mode in ("tcolon", "tvalue"):  # a typed key's colon / value (aux: first characters, whitespace)
             t, ws = aux
             if ch in _WS:
                 return (mode, stack, (t, ws + 1)) if ws < MAX_WS else None
             if mode == "tcolon":
                 return ("tvalue", stack, (t, 0)) if ch == ":" else None
-            return self.step(("value", stack, 0), ch) if ch in _FIRST[t] else None
+            return self.step(("value", stack, 0), ch) if ch in t else None
         # the structural modes: top (before the object), key / key_or_end, colon, value / value_or_end, after
         if ch in _WS:
             return (mode, stack, aux + 1) if aux < MAX_WS and mode != "top" else None
@@ -281,7 +294,7 @@ class Constraint:
     `until`)."""
 
     def __init__(self, table: TokenTable, names: Sequence[str] = (), max_tokens: int | None = None,
-                 keys: Sequence[str] = (), types: Mapping[str, str] | None = None):  # fmt: skip
+                 keys: Sequence[str] = (), types: Mapping[str, object] | None = None):  # fmt: skip
         self.table, self.grammar, self.max_tokens = table, JsonObject(names, keys, types), max_tokens
         self._text, self._state = "", self.grammar.start()
 

@@ -1,30 +1,39 @@
-"""The HTTP APIs' request models (pydantic) and the two thin adapters onto one internal request.
+"""The HTTP APIs' request models (pydantic) and the thin adapters onto one internal request (`Generation`).
 
 OpenAI: chat completions and completions; Anthropic: messages and count_tokens. Unknown top-level fields are
-refused (both APIs do), nested message parts are read leniently. `ApiError` carries an HTTP status, an error type
-and the offending field; the app writes it in the calling API's error shape.
+refused (both APIs do), nested message parts are read by glm53.serving.content (text only: media refused,
+earlier thinking dropped). Each adapter takes the server's `Limits` (keyword `limits`, default `Limits()`): stop
+strings, tools, a tool's name and schema depth are bounded by it. Every string that reaches the tokenizer or
+the chat template (contents, system, prompt, tools, tool_choice, stop) must be valid Unicode (no lone
+surrogate). `ApiError` (glm53.serving.errors) carries an HTTP status, an error type and the offending parameter;
+the app writes it in the calling API's error shape; `Generation.api` says which API a request came from, for
+`param_for` / `api_error` (an engine's `ValueError("prompt: ...")` is about `messages` for chat and Anthropic).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from glm53.serving import content as C
 from glm53.serving import tools as T
 from glm53.serving.constrain import Constraint, TokenTable
 from glm53.serving.engine import Request
+from glm53.serving.errors import (  # noqa: F401 - re-exported: the app's names for them
+    ANTHROPIC_ERROR_TYPES,
+    OPENAI_ERROR_TYPES,
+    ApiError,
+    api_error,
+    check_text,
+    clip,
+    error_body,
+    param_for,
+    validation_error,
+)
+from glm53.serving.limits import INT32_MAX, Limits
 from glm53.serving.reasoning import THINK_CLOSE, THINK_OPEN, anthropic_thinking, openai_thinking
-
-
-class ApiError(Exception):
-    def __init__(
-        self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
 
 
 class _Strict(BaseModel):
@@ -53,7 +62,7 @@ class _OpenAISampling(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)  # an extension (vLLM, llama.cpp)
+    top_k: int = Field(0, ge=0, le=INT32_MAX)  # an extension (vLLM, llama.cpp)
     seed: int | None = Field(None, ge=0, lt=2**63)
     n: int = Field(1, ge=1, le=1)
     stop: str | list[str] | None = None
@@ -108,7 +117,7 @@ class MessagesRequest(_AnthropicBase):
     max_tokens: int = Field(ge=1)
     temperature: float = Field(1.0, ge=0, le=1)  # not in the newest SDK's signature: send it in extra_body
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, le=INT32_MAX)
     stop_sequences: list[str] | None = None
     stream: bool = False
 
@@ -127,28 +136,16 @@ class Generation:
     include_usage: bool = False
     tools: T.ToolMode | None = None  # tools offered / a call forced: the answer is parsed for calls
     thinking: bool = False  # the prompt ends inside a <think> block: the generation starts as reasoning
+    api: str = "chat"  # "chat", "completion" or "anthropic" (glm53.serving.errors.param_for)
 
 
-def _text_of(content, where: str) -> str:
-    """Text of a message's content: a string, or parts (text parts joined; other parts as JSON)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    out = []
-    if not isinstance(content, list) or any(not isinstance(p, dict) for p in content):
-        raise ApiError(400, f"{where}: expected a string or a list of content blocks", where)
-    for i, part in enumerate(content):
-        kind = part.get("type")
-        if kind == "text":
-            if not isinstance(part.get("text"), str):
-                raise ApiError(400, f"{where}[{i}].text: expected a string", f"{where}[{i}].text")
-            out.append(part["text"])
-        elif kind == "tool_result":
-            out.append(_text_of(part.get("content"), f"{where}[{i}].content"))
-        else:
-            out.append(json.dumps(part, ensure_ascii=False))
-    return "".join(out)
+def _check_unicode(r: BaseModel, fields: tuple[str, ...]) -> None:
+    """400 naming the first string of these fields (all the text that reaches the tokenizer) that holds a lone
+    surrogate, e.g. `messages[0].content`."""
+    for f in fields:
+        v = getattr(r, f, None)
+        if v is not None:
+            check_text([m.model_dump() for m in v] if f == "messages" else v, f)
 
 
 def _render(tok, messages: list[dict], mode: T.ToolMode | None = None, thinking: bool = False) -> list[int]:
@@ -160,7 +157,7 @@ def _render(tok, messages: list[dict], mode: T.ToolMode | None = None, thinking:
     try:
         ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, **kw))
     except ValueError as e:  # TokenizerError: a template that refuses the conversation
-        raise ApiError(400, f"messages: {e}", "messages") from None
+        raise ApiError(400, f"messages: {clip(str(e), 1000)}", "messages") from None
     if thinking:
         open_ids = list(tok.encode(THINK_OPEN, add_special_tokens=False))
         if ids[-len(open_ids) :] != open_ids:
@@ -170,7 +167,8 @@ def _render(tok, messages: list[dict], mode: T.ToolMode | None = None, thinking:
     return ids
 
 
-def _thinking(fn, *args):
+def _named(fn, *args):
+    """fn(*args), its ValueError ("field: ...") a 400 naming the field."""
     try:
         return fn(*args)
     except ValueError as e:
@@ -182,100 +180,78 @@ def _no_forced_call(thinking: bool, mode: T.ToolMode | None) -> None:
         raise ApiError(400, "thinking: cannot be enabled when tool_choice forces a tool call", "thinking")
 
 
-def _tool_mode(fn, *args) -> T.ToolMode | None:
-    try:
-        return fn(*args)
-    except ValueError as e:
-        raise ApiError(400, str(e), str(e).split(":")[0]) from None
-
-
-def _openai_message(m: ChatMessage, i: int) -> dict:
-    where = f"messages[{i}]"
-    content = _text_of(m.content, f"{where}.content")
-    if m.role == "tool":
-        return {"role": "tool", "content": T.render_result(content)}
-    for j, c in enumerate(m.tool_calls or ()):
-        f = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
-            raise ApiError(400, f"{where}.tool_calls[{j}].function: expected a name and arguments",
-                           f"{where}.tool_calls[{j}].function")  # fmt: skip
-        args = f.get("arguments")
-        content += T.render_call(f["name"], args if isinstance(args, (str, dict)) else {})
-    return {"role": "system" if m.role == "developer" else m.role, "content": content}
-
-
-def _anthropic_messages(m: AnthropicMessage, i: int) -> list[dict]:
-    """One Anthropic message as template messages: tool_use blocks become calls in the assistant's content,
-    tool_result blocks tool (observation) messages before the user's remaining text."""
-    where = f"messages[{i}].content"
-    if isinstance(m.content, str):
-        return [{"role": m.role, "content": m.content}]
-    out, rest = [], []
-    for j, part in enumerate(m.content):
-        kind = part.get("type")
-        if kind == "tool_result":
-            out.append(
-                {"role": "tool", "content": T.render_result(_text_of(part.get("content"), f"{where}[{j}]"))}
-            )
-        elif kind == "tool_use":
-            if not isinstance(part.get("name"), str):
-                raise ApiError(400, f"{where}[{j}].name: expected a string", f"{where}[{j}].name")
-            inp = part.get("input")
-            rest.append(
-                {"type": "text", "text": T.render_call(part["name"], inp if isinstance(inp, dict) else {})}
-            )
-        else:
-            rest.append(part)
-    if rest or not out:
-        out.append({"role": m.role, "content": _text_of(rest, where)})
-    return out
-
-
-def _stop(stop) -> tuple[str, ...]:
+def _stop(stop, limits: Limits, param: str = "stop") -> tuple[str, ...]:
+    """The stop strings: at most `max_stop`, each non-empty and at most `max_stop_chars` characters."""
     stop = [stop] if isinstance(stop, str) else list(stop or ())
-    if any(not s for s in stop):
-        raise ApiError(400, "stop: stop sequences must be non-empty", "stop")
+    if len(stop) > limits.max_stop:
+        raise ApiError(400, f"{param}: at most {limits.max_stop} stop sequences ({len(stop)} were given)", param)
+    for i, s in enumerate(stop):
+        if not s:
+            raise ApiError(400, f"{param}: stop sequences must be non-empty", param)
+        if len(s) > limits.max_stop_chars:
+            raise ApiError(400, f"{param}: a stop sequence is at most {limits.max_stop_chars} characters "
+                                f"({param}[{i}] has {len(s)})", param)  # fmt: skip
     return tuple(stop)
 
 
-def _request(prompt, max_tokens, r, stop, default_max: int, mode: T.ToolMode | None = None,
+def _types(props: dict, keys: list[str]) -> dict:
+    """Each key's schema `type` (any JSON value: constrain.first_chars reads a name or a list of names and
+    leaves anything else free)."""
+    return {k: props[k].get("type") for k in keys if isinstance(props[k], dict)}
+
+
+def _request(api: str, prompt, max_tokens, r, stop, default_max: int, mode: T.ToolMode | None = None,
              think_budget: tuple[int, list[int]] | None = None, tok=None) -> Request:  # fmt: skip
     """A forced call (with `tok`) is decoded under a constraint (glm53.serving.constrain): its arguments (and its
     name, when the model picks the tool) always parse, a named tool's top-level keys are its schema's properties
-    (unless additionalProperties is true) and their values begin as their `type`, and it stops as soon as the
-    object closes (without `tok`:
-    unconstrained, it stops when its arguments are a whole JSON object or can no longer be one)."""
+    (unless additionalProperties is true) and their values begin as their `type` (a list of types: as one of
+    them; a malformed type: free), and it stops as soon as the object closes (without `tok`: unconstrained, it
+    stops when its arguments are a whole JSON object or can no longer be one)."""
     until, constraint = (T.arguments_done if mode is not None and mode.force else None), None
     if mode is not None and mode.force is not None and tok is not None:
         names = () if mode.force else [t.name for t in mode.tools]
         schema = next((t.parameters for t in mode.tools if t.name == mode.force), None)
         props = schema.get("properties") if isinstance(schema, dict) else None
         keys = list(props) if isinstance(props, dict) and schema.get("additionalProperties") is not True else []
-        types = {k: props[k].get("type") for k in keys if isinstance(props[k], dict)}
-        constraint = Constraint(TokenTable.of(tok), names, max_tokens or default_max, keys, types)
+        constraint = Constraint(TokenTable.of(tok), names, max_tokens or default_max, keys, _types(props, keys))
         until = constraint.done
     try:
         return Request(prompt=prompt, max_tokens=max_tokens or default_max, temperature=r.temperature,
                        top_p=r.top_p, top_k=r.top_k, seed=getattr(r, "seed", None) or 0, stop=stop,
                        until=until, think_budget=think_budget, constraint=constraint)  # fmt: skip
     except ValueError as e:
-        raise ApiError(400, str(e), str(e).split("=")[0]) from None
+        raise api_error(api, e) from None
 
 
-def openai_chat(r: ChatRequest, tok, max_len: int) -> Generation:
-    """max_tokens defaults to the rest of the context (`max_len` positions)."""
-    mode = _tool_mode(T.openai_tools, r.tools, r.tool_choice)
-    thinking = _thinking(openai_thinking, r.reasoning_effort, r.chat_template_kwargs)
+_CHAT_TEXT = ("messages", "tools", "tool_choice", "stop")
+_ANTHROPIC_TEXT = ("system", "messages", "tools", "tool_choice", "stop_sequences")
+
+
+def openai_chat(r: ChatRequest, tok, max_len: int, *, limits: Limits | None = None) -> Generation:
+    """max_tokens defaults to the rest of the context (`max_len` positions); a prompt that fills the context is
+    a 400 about `messages`."""
+    limits = limits or Limits()
+    _check_unicode(r, _CHAT_TEXT)
+    stop = _stop(r.stop, limits)
+    mode = _named(T.openai_tools, r.tools, r.tool_choice, "tools", limits)
+    thinking = _named(openai_thinking, r.reasoning_effort, r.chat_template_kwargs)
     _no_forced_call(thinking, mode)
-    prompt = _render(tok, [_openai_message(m, i) for i, m in enumerate(r.messages)], mode, thinking)
+    prompt = _render(tok, [C.openai_message(m, i) for i, m in enumerate(r.messages)], mode, thinking)
+    if len(prompt) >= max_len:
+        raise ApiError(400, f"messages: the prompt's {len(prompt)} tokens leave no room for an answer in the "
+                            f"context of {max_len} tokens", "messages")  # fmt: skip
     inc = bool(r.stream_options and r.stream_options.include_usage)
-    default = max(1, max_len - len(prompt))
-    stop = _stop(r.stop) + ((T.CALL_CLOSE,) if mode and mode.force is not None else ())
-    return Generation(_request(prompt, r.max_completion_tokens or r.max_tokens, r, stop, default, mode, tok=tok),
-                      r.stream, inc, mode, thinking)  # fmt: skip
+    stop += (T.CALL_CLOSE,) if mode and mode.force is not None else ()
+    req = _request("chat", prompt, r.max_completion_tokens or r.max_tokens, r, stop, max_len - len(prompt),
+                   mode, tok=tok)  # fmt: skip
+    return Generation(req, r.stream, inc, mode, thinking, api="chat")
 
 
-def openai_completion(r: CompletionRequest, tok, vocab_size: int, default_max: int = 16) -> Generation:
+def openai_completion(r: CompletionRequest, tok, vocab_size: int, default_max: int = 16, *,
+                      limits: Limits | None = None) -> Generation:  # fmt: skip
+    limits = limits or Limits()
+    _check_unicode(r, ("prompt", "stop"))
+    stop = _stop(r.stop, limits)
     if isinstance(r.prompt, str):
         prompt = list(tok.encode(r.prompt))
     else:
@@ -285,66 +261,43 @@ def openai_completion(r: CompletionRequest, tok, vocab_size: int, default_max: i
     if not prompt:
         raise ApiError(400, "prompt: encodes to no tokens", "prompt")
     inc = bool(r.stream_options and r.stream_options.include_usage)
-    return Generation(_request(prompt, r.max_tokens, r, _stop(r.stop), default_max), r.stream, inc)
+    req = _request("completion", prompt, r.max_tokens, r, stop, default_max)
+    return Generation(req, r.stream, inc, api="completion")
 
 
 def anthropic_prompt(r: _AnthropicBase, tok, mode: T.ToolMode | None = None, thinking: bool = False) -> list[int]:
-    msgs = []
-    if r.system:
-        msgs.append({"role": "system", "content": _text_of(r.system, "system")})
+    msgs = [{"role": "system", "content": C.anthropic_system(r.system)}] if r.system else []
     for i, m in enumerate(r.messages):
-        msgs += _anthropic_messages(m, i)
+        msgs += C.anthropic_message(m, i)
     return _render(tok, msgs, mode, thinking)
 
 
-def anthropic_count(r: _AnthropicBase, tok) -> int:
+def _anthropic_mode(r: _AnthropicBase, limits: Limits | None) -> tuple[T.ToolMode | None, bool, int | None]:
+    _check_unicode(r, _ANTHROPIC_TEXT)
+    mode = _named(T.anthropic_tools, r.tools, r.tool_choice, limits or Limits())
+    thinking, budget = _named(anthropic_thinking, r.thinking)
+    return mode, thinking, budget
+
+
+def anthropic_count(r: _AnthropicBase, tok, *, limits: Limits | None = None) -> int:
     """count_tokens: the prompt's length, tools, thinking's opening and a forced call's prefix included."""
-    thinking, _ = _thinking(anthropic_thinking, r.thinking)
-    return len(anthropic_prompt(r, tok, _tool_mode(T.anthropic_tools, r.tools, r.tool_choice), thinking))
+    mode, thinking, _ = _anthropic_mode(r, limits)
+    return len(anthropic_prompt(r, tok, mode, thinking))
 
 
-def anthropic_messages(r: MessagesRequest, tok) -> Generation:
-    stop = tuple(r.stop_sequences or ())
-    if any(not s for s in stop):
-        raise ApiError(400, "stop_sequences: stop sequences must be non-empty", "stop_sequences")
-    mode = _tool_mode(T.anthropic_tools, r.tools, r.tool_choice)
-    thinking, budget = _thinking(anthropic_thinking, r.thinking)
+def anthropic_messages(r: MessagesRequest, tok, *, limits: Limits | None = None) -> Generation:
+    mode, thinking, budget = _anthropic_mode(r, limits)
+    stop = _stop(r.stop_sequences, limits or Limits(), "stop_sequences")
     _no_forced_call(thinking, mode)
     if mode and mode.force is not None:
         stop += (T.CALL_CLOSE,)
     if budget is not None and budget >= r.max_tokens:
-        raise ApiError(400, f"thinking.budget_tokens: {budget} must be less than max_tokens {r.max_tokens}",
-                       "thinking.budget_tokens")  # fmt: skip
+        raise ApiError(400, f"thinking.budget_tokens: {clip(str(budget))} must be less than max_tokens "
+                            f"{clip(str(r.max_tokens))}", "thinking.budget_tokens")  # fmt: skip
     close = list(tok.encode(THINK_CLOSE, add_special_tokens=False)) if budget is not None else []
-    req = _request(anthropic_prompt(r, tok, mode, thinking), r.max_tokens, r, stop, r.max_tokens, mode,
-                   (budget, close) if budget is not None else None, tok)  # fmt: skip
-    return Generation(req, r.stream, tools=mode, thinking=thinking)
-
-
-# ------------------------------------------------------------------------------------------------ errors
-OPENAI_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
-                      429: "rate_limit_error", 503: "service_unavailable"}  # fmt: skip
-ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                         413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-                         503: "overloaded_error"}  # fmt: skip
-
-
-def error_body(api: str, e: ApiError) -> dict:
-    if api == "anthropic":
-        kind = ANTHROPIC_ERROR_TYPES.get(e.status, e.kind)
-        return {"type": "error", "error": {"type": kind, "message": e.message}}
-    kind = OPENAI_ERROR_TYPES.get(e.status, e.kind)
-    return {"error": {"message": e.message, "type": kind, "param": e.param, "code": None}}
-
-
-def validation_error(errors: list[dict]) -> ApiError:
-    """The first pydantic / FastAPI validation error as a 400 naming its field."""
-    err = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-    field = ".".join(loc) or "body"
-    if err.get("type") == "json_invalid":
-        return ApiError(400, f"body: malformed JSON ({err.get('msg')})", "body")
-    return ApiError(400, f"{field}: {err.get('msg', 'invalid')}", field)
+    req = _request("anthropic", anthropic_prompt(r, tok, mode, thinking), r.max_tokens, r, stop, r.max_tokens,
+                   mode, (budget, close) if budget is not None else None, tok)  # fmt: skip
+    return Generation(req, r.stream, tools=mode, thinking=thinking, api="anthropic")
 
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn", "error": "end_turn"}

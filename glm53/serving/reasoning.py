@@ -15,6 +15,8 @@ after that many tokens without `</think>` it feeds `</think>` instead of the nex
 
 from __future__ import annotations
 
+from glm53.serving.errors import clip
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 OPENAI_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
@@ -101,14 +103,14 @@ def anthropic_thinking(thinking) -> tuple[bool, int | None]:
         return False, None
     budget = thinking.get("budget_tokens")
     if thinking["type"] == "enabled" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-        raise ValueError(f"thinking.budget_tokens: {budget!r} is not a positive integer")
+        raise ValueError(f"thinking.budget_tokens: {clip(repr(budget))} is not a positive integer")
     return True, budget if thinking["type"] == "enabled" else None
 
 
 def openai_thinking(reasoning_effort, chat_template_kwargs) -> bool:
     """Whether an OpenAI chat request asks for thinking; ValueError naming the field."""
     if reasoning_effort is not None and reasoning_effort not in OPENAI_EFFORTS:
-        raise ValueError(f"reasoning_effort: {reasoning_effort!r} is not one of {list(OPENAI_EFFORTS)}")
+        raise ValueError(f"reasoning_effort: {clip(repr(reasoning_effort))} is not one of {list(OPENAI_EFFORTS)}")
     kw = chat_template_kwargs or {}
     if "enable_thinking" in kw:
         if not isinstance(kw["enable_thinking"], bool):

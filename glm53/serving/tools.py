@@ -27,6 +27,9 @@ import dataclasses
 import json
 import uuid
 
+from glm53.serving.errors import clip
+from glm53.serving.limits import Limits
+
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESULT_OPEN, RESULT_CLOSE = "<tool_response>", "</tool_response>"
 
@@ -186,26 +189,63 @@ class ContentStream:
 
 
 # ------------------------------------------------------------------------------------------------ the APIs
-def openai_tools(tools, tool_choice, param: str = "tools") -> ToolMode | None:
+def _depth(x) -> int:
+    """Nesting of a JSON value: 0 for a scalar, 1 + its deepest child's for an object or an array."""
+    if isinstance(x, dict):
+        x = list(x.values())
+    if not isinstance(x, list):
+        return 0
+    return 1 + max((_depth(v) for v in x), default=0)
+
+
+def _tool(name, description, schema, where: str, names: set, limits: Limits, fn: str = "") -> Tool:
+    """A Tool from an offer's fields; ValueError naming the field (`where` the tool, `fn` the path of its
+    name, description and schema inside it). A name is non-empty, unique, printable without spaces (it is
+    written as `<tool_call>NAME\\n`) and at most `max_name_chars`; a schema is an object nested at most
+    `max_schema_depth` deep (the schema itself is depth 1)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}{fn}.name: expected a non-empty string")
+    if len(name) > limits.max_name_chars:
+        raise ValueError(f"{where}{fn}.name: longer than {limits.max_name_chars} characters ({len(name)})")
+    if not name.isprintable() or " " in name:
+        raise ValueError(f"{where}{fn}.name: {clip(repr(name))} has spaces or control characters")
+    if name in names:
+        raise ValueError(f"{where}{fn}.name: {clip(repr(name))} names another tool too; names must be unique")
+    names.add(name)
+    if description is not None and not isinstance(description, str):
+        raise ValueError(f"{where}{fn}.description: expected a string")
+    param = f"{where}{fn}.{'parameters' if fn else 'input_schema'}"
+    if schema is not None and not isinstance(schema, dict):
+        raise ValueError(f"{param}: expected a JSON schema object")
+    if schema is not None and _depth(schema) > limits.max_schema_depth:
+        raise ValueError(f"{param}: nested deeper than {limits.max_schema_depth} levels")
+    return Tool(name, description or "", schema or Tool("").parameters)
+
+
+def _count(tools, limits: Limits) -> None:
+    if len(tools) > limits.max_tools:
+        raise ValueError(f"tools: at most {limits.max_tools} tools may be offered ({len(tools)} were)")
+
+
+def openai_tools(tools, tool_choice, param: str = "tools", limits: Limits | None = None) -> ToolMode | None:
     """ToolMode of OpenAI `tools` / `tool_choice`; ValueError naming the field."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise ValueError("tool_choice: a tool choice needs tools")
         return None
-    out = []
+    limits = limits or Limits()
+    _count(tools, limits)
+    out, names = [], set()
     for i, t in enumerate(tools):
         f = t.get("function") if isinstance(t, dict) else None
-        if (
-            not isinstance(f, dict)
-            or t.get("type", "function") != "function"
-            or not isinstance(f.get("name"), str)
-        ):
+        if not isinstance(f, dict) or t.get("type", "function") != "function":
             raise ValueError(f"{param}[{i}]: expected {{'type': 'function', 'function': {{'name': ...}}}}")
-        out.append(Tool(f["name"], f.get("description") or "", f.get("parameters") or Tool("").parameters))
+        desc, schema = f.get("description"), f.get("parameters")
+        out.append(_tool(f.get("name"), desc, schema, f"{param}[{i}]", names, limits, ".function"))
     return _mode(out, tool_choice, "function", "tool_choice")
 
 
-def anthropic_tools(tools, tool_choice) -> ToolMode | None:
+def anthropic_tools(tools, tool_choice, limits: Limits | None = None) -> ToolMode | None:
     """ToolMode of Anthropic `tools` / `tool_choice`; ValueError naming the field."""
     if not tools:
         if tool_choice is not None and (
@@ -213,11 +253,14 @@ def anthropic_tools(tools, tool_choice) -> ToolMode | None:
         ):
             raise ValueError("tool_choice: a tool choice needs tools")
         return None
-    out = []
+    limits = limits or Limits()
+    _count(tools, limits)
+    out, names = [], set()
     for i, t in enumerate(tools):
-        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+        if not isinstance(t, dict):
             raise ValueError(f"tools[{i}]: expected {{'name': ..., 'input_schema': ...}}")
-        out.append(Tool(t["name"], t.get("description") or "", t.get("input_schema") or Tool("").parameters))
+        desc, schema = t.get("description"), t.get("input_schema")
+        out.append(_tool(t.get("name"), desc, schema, f"tools[{i}]", names, limits))
     return _mode(out, tool_choice, "tool", "tool_choice")
 
 
@@ -228,13 +271,13 @@ def _mode(tools: list[Tool], choice, named: str, param: str) -> ToolMode | None:
         name = (f.get("name") if isinstance(f, dict) else None) if named == "function" else choice.get("name")
         if kind == named:
             if not isinstance(name, str) or name not in [t.name for t in tools]:
-                raise ValueError(f"{param}: {name!r} is not one of the tools")
+                raise ValueError(f"{param}: {clip(repr(name))} is not one of the tools")
             return ToolMode(tools, name)
-        choice = {"any": "required"}.get(kind, kind)
+        choice = "required" if kind == "any" else kind  # (kind may be any JSON value: compared, never hashed)
     if choice in (None, "auto"):
         return ToolMode(tools)
     if choice == "none":
         return None
     if choice == "required":
         return ToolMode(tools, tools[0].name if len(tools) == 1 else "")
-    raise ValueError(f"{param}: {choice!r} is not a valid tool choice")
+    raise ValueError(f"{param}: {clip(repr(choice))} is not a valid tool choice")
