@@ -89,11 +89,12 @@ def test_cancel_frees_the_slot_and_queue_full_refuses(setup):
     eng.cancel(gone)
     eng.step()
     assert ev[gone][-1].finish_reason == "cancelled" and eng.busy_slots == 1
-    # A cancelled request still waiting in the queue never runs.
+    # A cancelled request still waiting in the queue never runs (and no longer counts against the queue).
     waiting = eng.submit(E.Request(PROMPTS[0], max_tokens=5), sink)
     eng.cancel(waiting)
-    # The queue holds 8 waiting requests: the 9th is refused at once.
-    ids = [eng.submit(E.Request([1, 2], max_tokens=2), sink) for _ in range(7)]
+    # 3 slots + a queue of 8: 11 live requests (`keep` and these 10); the 12th is refused at once.
+    ids = [eng.submit(E.Request([1, 2], max_tokens=2), sink) for _ in range(10)]
+    assert eng.live_requests == 11 and eng.queue_depth == 10
     with pytest.raises(E.QueueFull, match="queue is full"):
         eng.submit(E.Request([1, 2], max_tokens=2), sink)
     eng.run_until_idle()

@@ -20,15 +20,17 @@ equal those of requests prefilled one at a time (tests/test_serving_engine.py).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
 from glm53.model import Cache
+from glm53.serving.limits import INT32_MAX
 from glm53.serving.request import Request, Sink
 from glm53.serving.text import StopText
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared by identity (glm53.serving.lifecycle.Intake finds it in its queue)
 class Seq:
     """A request inside the engine: its slot, stop state and what it has generated."""
 
@@ -45,7 +47,7 @@ class Seq:
     t_first: float | None = None
     forced: list[int] = dataclasses.field(default_factory=list)  # ids fed in place of the next sampled ones
     think_done: bool = False  # `</think>` was generated (Request.think_budget)
-    cancelled: bool = False  # cancelled while its group prefills: its row is not inserted
+    done: bool = False  # ended (its terminal event sent): while its group prefills, its row is not inserted
 
 
 @dataclasses.dataclass
@@ -60,7 +62,7 @@ class Group:
     h: object = None  # the staging's last hidden states [width, 1, D] (the MTP block pairs them with next tokens)
 
     def live(self) -> list[Seq]:
-        return [s for s in self.seqs if not s.cancelled]
+        return [s for s in self.seqs if not s.done]
 
 
 def width_for(n: int, widths) -> int:
@@ -73,26 +75,36 @@ def groupable(plan: list[int], max_chunk: int) -> bool:
     return bool(plan) and max(plan) <= max_chunk
 
 
-def sampling_args(seqs, n: int):
-    """(seeds, temperature, top_p, top_k) [n] of program rows `seqs` (None: an idle row, greedy)."""
+def sampling_args(seqs, n: int, vocab: int | None = None):
+    """(seeds, temperature, top_p, top_k) [n] of program rows `seqs` (None: an idle row, greedy). A top_k of at
+    least `vocab` keeps every token: 0 (off); any top_k is clamped into int32 (never an overflow)."""
     seeds, temp = np.zeros(n, np.uint32), np.zeros(n, np.float32)
     top_p, top_k = np.ones(n, np.float32), np.zeros(n, np.int32)
     for i, s in enumerate(seqs):
         if s is not None:
-            r = s.req
-            seeds[i], temp[i], top_p[i], top_k[i] = r.seed % 2**32, r.temperature, r.top_p, r.top_k
+            r, k = s.req, int(s.req.top_k)
+            k = 0 if k < 0 or (vocab is not None and k >= vocab) else min(k, INT32_MAX)
+            seeds[i], temp[i], top_p[i], top_k[i] = r.seed % 2**32, r.temperature, r.top_p, k
     return seeds, temp, top_p, top_k
 
 
-def mask_rows(seqs, vocab: int) -> np.ndarray | None:
+def mask_rows(seqs, vocab: int, on_error: Callable[[Seq, Exception], None] | None = None):
     """The allowed next tokens bool [n, vocab] of program rows `seqs` (constrained decoding:
-    Request.constraint, on the text so far); None when no row is constrained (the engine's all-true mask)."""
+    Request.constraint, on the text so far) or None when no row is constrained (the engine's all-true mask).
+    A row whose constraint raises is left all true and passed to `on_error` (which ends that request alone;
+    without it, the exception propagates)."""
     rows = [(i, s) for i, s in enumerate(seqs) if s is not None and s.req.constraint is not None]
     if not rows:
         return None
     m = np.ones((len(seqs), vocab), bool)
     for i, s in rows:
-        a = np.asarray(s.req.constraint.allowed(s.stop.text, len(s.generated)), bool)[:vocab]
+        try:
+            a = np.asarray(s.req.constraint.allowed(s.stop.text, len(s.generated)), bool).reshape(-1)[:vocab]
+        except Exception as e:  # noqa: BLE001 - a request's own constraint: it ends that request only
+            if on_error is None:
+                raise
+            on_error(s, e)
+            continue
         m[i] = False
         m[i, : len(a)] = a
     return m

@@ -21,7 +21,13 @@ Constrained decoding (`Request.constraint`, glm53.serving.constrain): the decode
 bool mask [B, V] / [1, V] of the allowed next tokens (all true, already on the device, when no slot is constrained).
 One host transfer of all slots' tokens per decode step. Stops: EOS ids, stop strings (on the detokenized text;
 text that may begin a stop string is held back), max_tokens, the cache's length, cancellation (frees the slot).
-`submit` / `cancel` are thread-safe (bounded queue: `QueueFull` when full); `step` runs in one thread.
+Requests (glm53.serving.lifecycle): `submit`, `cancel`, `drain`, `abort_all` and the counters are thread-safe;
+`step` runs in one thread (the engine thread, `run`). At most slots + max_queue requests are live (waiting or
+in a slot; `QueueFull` past it); a cancelled or aborted request frees its place at once. Every request gets
+exactly one terminal event. Failures end only the requests they concern: a request's own host-side work
+raising ends it alone; a failed prefill chunk ends its group; a failed decode / insert / move step ends every
+request in a slot (the cache is rebuilt); the errors they receive never carry another request's data or a
+shared step's exception, which is logged once (logger "glm53.serving") with the ids of the requests it ended.
 """
 
 from __future__ import annotations
@@ -29,7 +35,6 @@ from __future__ import annotations
 import collections
 import functools
 import numbers
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -45,8 +50,10 @@ from glm53.model import Glm53Model
 from glm53.serving import programs as P
 from glm53.serving import speculative as spec
 from glm53.serving.admit import Group, Seq, groupable, mask_rows, sampling_args, width_for
+from glm53.serving.lifecycle import Intake, OwnFailure, advance, log, own_error, shared_error
+from glm53.serving.limits import Limits
 from glm53.serving.prefix import PrefixCache, chunk_plan
-from glm53.serving.request import Event, QueueFull, Request, Sink, check_request  # noqa: F401 - the engine's API
+from glm53.serving.request import Closed, Event, QueueFull, Request, Sink, check_request  # noqa: F401 - the API
 from glm53.serving.text import StopText
 
 
@@ -54,13 +61,14 @@ class Engine:
     """B slots over one model. `detokenize(ids) -> str` turns generated ids into text (None: no text, no stop
     strings). compiler_options go to every `jax.jit` (e.g. {"xla_backend_optimization_level": 0}: faster
     compiles for tests), on CPU on top of `programs.CPU_OPTIONS`. decode_widths: the decode step's widths
-    (None: 1, 2, 4, ..., slots; a sharded model: slots only). Not thread-safe except `submit`, `cancel` and the
-    counters; drive it with `step` / `run`.
+    (None: 1, 2, 4, ..., slots; a sharded model: slots only). Not thread-safe except `submit`, `cancel`, `drain`,
+    `abort_all` and the counters; drive it with `step` / `run`.
     prefix_cache_bytes: the prefix cache's byte budget (0: off), prefix_block its block (tokens, a multiple of
     index_kpool); speculative: MTP speculative decoding (the model needs its MTP block). mesh / rules: the mesh
     and rule set a sharded model was placed with (caches are created in the rules' shardings).
     prefill_batch: the most requests prefilled together (None: min(slots, 8); a sharded model: 1), in groups of
-    the widths 1, 2, 4, ..., prefill_batch, for chunks of at most prefill_batch_chunk tokens (glm53.serving.admit)."""
+    the widths 1, 2, 4, ..., prefill_batch, for chunks of at most prefill_batch_chunk tokens (glm53.serving.admit).
+    max_queue: live requests beyond the slots (waiting); limits: what a request may ask for (its stop strings)."""
 
     def __init__(
         self,
@@ -81,6 +89,7 @@ class Engine:
         rules="tp",
         prefill_batch: int | None = None,
         prefill_batch_chunk: int = 64,
+        limits: Limits | None = None,
     ):
         for name, v, lo in (("slots", slots, 1), ("max_len", max_len, 2), ("max_queue", max_queue, 1),
                             ("prefill_batch_chunk", prefill_batch_chunk, 1)):  # fmt: skip
@@ -91,6 +100,9 @@ class Engine:
             raise ValueError(
                 f"buckets={buckets!r}: positive integers including 1 (so any length splits exactly)"
             )
+        if limits is not None and not isinstance(limits, Limits):
+            raise ValueError(f"limits={limits!r}: a glm53.serving.limits.Limits")
+        self.limits = Limits() if limits is None else limits
         if speculative and model.mtp is None:
             raise ValueError("speculative=True: the model has no MTP block (build it with with_mtp=True)")
         self.cfg = model.cfg
@@ -122,88 +134,34 @@ class Engine:
         self._place = (lambda c: c) if mesh is None else (  # caches in the rules' shardings (a sharded model)
             lambda c: jax.lax.with_sharding_constraint(c, S.cache_shardings(c, mesh, rules)))  # fmt: skip
         self._rep = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        self._build_programs(compiler_options)
+        P.build_programs(self, compiler_options, (spec if self.speculative else P).build)
         self.cache = self._init(self.state, slots)
-        self._waiting: queue.Queue = queue.Queue(maxsize=max_queue)
-        self._cancels: queue.SimpleQueue = queue.SimpleQueue()
-        self._cancelled: set[str] = set()
-        self._wake = threading.Event()
+        self.max_queue = max_queue
+        self._intake = Intake(slots + max_queue)  # the live requests (thread-safe)
         self._active: dict[int, Seq] = {}
-        self._held: collections.deque[Seq] = collections.deque()  # taken from the queue, not yet in a group
         self._group: Group | None = None  # the requests being prefilled
         self._tokens = np.zeros(slots, np.int32)
         self._drafts = np.zeros(slots, np.int32)  # speculative: each slot's draft of the token after its next
-        self._ids = 0
         self._true: dict[int, jax.Array] = {}  # n -> the all-true mask [n, V] (no slot constrained)
         self.warm = False
 
     # ------------------------------------------------------------------------------------------- programs
-    def _build_programs(self, compiler_options):
-        gd = self.graphdef
-        jit = functools.partial(jax.jit, compiler_options=compiler_options)
-
-        def keys(seeds, counts):
-            return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counts)
-
-        decode, prefill, insert = (spec if self.speculative else P).build(gd, keys)
-        if self._rep is not None:  # sharded: outputs placed as the inputs come (no second compile per program)
-            decode, prefill, insert = (functools.partial(P.placed, f, self._place, self._rep)
-                                       for f in (decode, prefill, insert))  # fmt: skip
-        d, dt = self.cfg.hidden_size, self._h_dtype  # a fresh staging's h [w, 1, D], where prefill's h lives
-        self._h0 = {w: jit(lambda w=w: jnp.zeros((w, 1, d), dt), out_shardings=self._rep) for w in self.prefill_widths}
-        self._prefill, self._insert = jit(prefill, donate_argnums=(1,)), jit(insert, donate_argnums=(1,))
-        self._decodes = {b: jit(P.narrow(decode, b)) for b in self.decode_widths[:-1]}  # then `put`
-        self._decodes[self.slots] = jit(decode, donate_argnums=(1,))
-        # fresh functions: jit's cache, which `compiled_programs` counts, is per function (not per engine)
-        self._move = jit(lambda cache, src, dst: P.move(cache, src, dst), donate_argnums=(0,))
-        self._put = jit(lambda cache, rows: P.put(cache, rows), donate_argnums=(0,))
-        self._init = jit(
-            lambda state, b: self._place(nnx.merge(gd, state).init_cache(b, self.max_len)), static_argnums=(1,)
-        )
-
     def compiled_programs(self) -> int:
-        """Programs compiled so far (decode per width, put per narrower width, move, prefill per (prefill width,
-        bucket), insert, cache init and fresh h per prefill width, the prefix cache's four and two more per prefill
-        width > 1): constant after `warmup`."""
-        extra = (*self._decodes.values(), *self._h0.values(), *(self.prefix.programs if self.prefix else ()))
-        extra += (self._move, self._put) if len(self.decode_widths) > 1 else ()
-        return sum(f._cache_size() for f in (self._prefill, self._insert, self._init, *extra))
+        """Programs compiled so far (glm53.serving.programs.compiled): constant after `warmup`."""
+        return P.compiled(self)
 
     def warmup(self, log: Callable[[str], None] | None = None) -> float:
         """Compiles every program once (a line per program to `log`); returns the seconds it took."""
-        t0 = time.perf_counter()
-        for b in self.decode_widths:
-            t, z, none = time.perf_counter(), np.zeros(b, bool), [None] * b
-            self._run_decode(z, z, self._masks(none), np.zeros(b, np.int32), sampling_args(none, b))
-            if log:
-                log(f"compiled decode [{b} slots{', speculative' if self.speculative else ''}] "
-                    f"({time.perf_counter() - t:.1f} s)")  # fmt: skip
-        for w in self.prefill_widths:
-            g = Group([], w, self._init(self.state, w), [], h=self._h0[w]())
-            for c in self.buckets if w == 1 else [c for c in self.buckets if c <= self.prefill_batch_chunk]:
-                t = time.perf_counter()
-                logits, g.h, g.staging = self._prefill(self.state, g.staging, np.zeros((w, c), np.int32), g.h)
-                jax.block_until_ready(logits)
-                if log:
-                    log(f"compiled prefill chunk {c}" + (f" x {w} requests" if w > 1 else "")
-                        + f" ({time.perf_counter() - t:.1f} s)")  # fmt: skip
-            if self.prefix:
-                jax.block_until_ready(self.prefix.warmup(g.staging, g.h if self.speculative else None))
-            g.staging, g.h = self._init(self.state, w), self._h0[w]()  # fresh: the warm-up chunks may pass max_len
-            self._run_insert(g, logits)
-        if len(self.decode_widths) > 1:
-            self.cache = self._move(self.cache, 0, 0)
-        self.warm = True
-        dt = time.perf_counter() - t0
-        if log:
-            log(f"engine warm: {self.compiled_programs()} programs in {dt:.1f} s")
-        return dt
+        return P.warmup(self, log)
 
     def _run_insert(self, g: Group, logits) -> list[int]:
-        """Writes the group's live rows into their slots; their first tokens (draft kept per slot)."""
-        rows = [None if s is None or s.cancelled else s for s in g.seqs + [None] * (g.width - len(g.seqs))]
+        """Writes the group's live rows into their slots; their first tokens (draft kept per slot). A row whose
+        constraint raises ends alone and is not written."""
+        rows = [None if s is None or s.done else s for s in g.seqs + [None] * (g.width - len(g.seqs))]
+        mask = self._masks(rows)
+        rows = [None if s is None or s.done else s for s in rows]
         slots = np.asarray([-1 if s is None else s.slot for s in rows], np.int32)
-        args = self._masks(rows), *sampling_args(rows, g.width)
+        args = mask, *sampling_args(rows, g.width, self.cfg.vocab_size)
         out, self.cache = self._insert(self.state, self.cache, g.staging, slots, logits, g.h, *args)
         out = np.asarray(out)
         for s, (_, draft) in zip(rows, out):
@@ -222,8 +180,9 @@ class Engine:
 
     # ---- constrained decoding (Request.constraint): a bool mask [n, V] per step; no slot constrained: the
     # all-true mask already on the device (no transfer). Every program always takes it: no program added.
+    # A row whose constraint raises ends that request alone ("error"); its row stays all true.
     def _masks(self, seqs) -> jax.Array:
-        m = mask_rows(seqs, self.cfg.vocab_size)
+        m = mask_rows(seqs, self.cfg.vocab_size, lambda s, e: self._fail_own(s, "constraint", e))
         if m is not None:
             return jnp.asarray(m)  # a device array like the all-true one (a numpy one would be another program)
         if len(seqs) not in self._true:
@@ -233,80 +192,98 @@ class Engine:
     # ------------------------------------------------------------------------------------------- requests
     def check(self, req: Request) -> None:
         """ValueError naming the field when the request cannot run on this engine."""
-        check_request(req, self.cfg.vocab_size, self.max_len, self.detokenize is not None)
+        check_request(req, self.cfg.vocab_size, self.max_len, self.detokenize is not None, self.limits)
 
     def submit(self, req: Request, sink: Sink) -> str:
-        """Queues a request (thread-safe); returns its id. ValueError for a bad request, QueueFull when full."""
+        """Queues a request (thread-safe); returns its id. ValueError naming the field for a bad request, Closed
+        after `drain`, QueueFull when slots + max_queue requests are live. `sink` receives the request's events
+        in the engine thread, the last one with finish_reason set (exactly one such event per request)."""
         self.check(req)
-        if not req.id:
-            self._ids += 1
-            req.id = f"req-{self._ids}"
         seq = Seq(req, sink, -1, frozenset(self.eos_ids if req.eos_ids is None else req.eos_ids),
-                   StopText(req.stop, self.detokenize), t_submit=time.perf_counter())  # fmt: skip
+                  StopText(req.stop, self.detokenize), t_submit=time.perf_counter())  # fmt: skip
         try:
-            self._waiting.put_nowait(seq)
-        except queue.Full:
+            rid = self._intake.add(seq)
+        except QueueFull:
             self.stats["refused"] += 1
-            raise QueueFull(f"the queue is full ({self._waiting.maxsize} waiting requests)") from None
+            raise
         self.stats["requests"] += 1
-        self._wake.set()
-        return req.id
+        return rid
 
     def cancel(self, request_id: str) -> None:
-        """Stops a request (thread-safe): its slot is freed at the next step; its sink gets "cancelled"."""
-        self._cancels.put(request_id)
-        self._wake.set()
+        """Stops a request (thread-safe): it stops counting against the queue at once; its slot is freed and its
+        sink gets one "cancelled" event at the engine thread's next step. An unknown or ended id: nothing."""
+        self._intake.cancel(request_id)
+
+    def drain(self) -> None:
+        """Shutting down (thread-safe): from now on `submit` raises Closed; waiting and running requests go on."""
+        self._intake.drain()
+
+    def abort_all(self, message: str) -> int:
+        """Ends every live request (waiting, prefilling, running; thread-safe) with finish_reason "error" and
+        `message` as its error, at the engine thread's next step; returns how many. New requests are still
+        accepted unless `drain` was called."""
+        return self._intake.abort_all(message)
+
+    @property
+    def live_requests(self) -> int:
+        """Requests submitted and not yet ended: waiting, held, prefilling, running (thread-safe)."""
+        return self._intake.live
 
     @property
     def queue_depth(self) -> int:
-        return self._waiting.qsize() + len(self._held)
+        """Live requests waiting for a slot (thread-safe)."""
+        return self._intake.waiting
 
     @property
     def busy_slots(self) -> int:
         return len(self._active) + (len(self._group.live()) if self._group else 0)
 
     def idle(self) -> bool:
-        return not self._active and self._group is None and not self._held and self._waiting.empty()
+        return not self._active and self._group is None and not self._intake.waiting and not self._intake.pending
 
     # ------------------------------------------------------------------------------------------- the loop
     def _finish(self, seq: Seq, reason: str, tokens: list[int], text: str, error=None, stop=None) -> None:
-        if seq.slot >= 0:
-            self._active.pop(seq.slot, None)
+        """Ends `seq` (once): frees its slot and sends its terminal event (a sink that raises is logged)."""
+        if seq.done:
+            return
+        seq.done = True
+        if self._active.get(seq.slot) is seq:
+            del self._active[seq.slot]
+        if self._group is not None and seq in self._group.seqs and not self._group.live():
+            self._group = None
+        self._intake.release(seq)
         self.stats["finished"] += 1
         self.stats[f"finish_{reason}"] += 1
         n_prompt, n_gen = len(seq.req.prompt), len(seq.generated)
-        seq.sink(Event(seq.req.id, tokens, text, reason, n_prompt, n_gen, error, stop,
-                       drafted=seq.drafted, accepted=seq.accepted, prefix_tokens=seq.resumed))  # fmt: skip
+        try:
+            seq.sink(Event(seq.req.id, tokens, text, reason, n_prompt, n_gen, error, stop,
+                           drafted=seq.drafted, accepted=seq.accepted, prefix_tokens=seq.resumed))  # fmt: skip
+        except Exception:  # noqa: BLE001 - its own sink: nothing more can be told to it
+            log.exception("request %s: its sink raised on its last event (%s)", seq.req.id, reason)
 
-    def _handle_cancels(self) -> None:
-        while True:
-            try:
-                rid = self._cancels.get_nowait()
-            except queue.Empty:
-                return
-            hit = [s for s in self._active.values() if s.req.id == rid]
-            g = self._group
-            for s in [s for s in g.live() if s.req.id == rid] if g else []:
-                s.cancelled = True  # its row is still prefilled (the group's shapes), never inserted
-                hit.append(s)
-            if g and not g.live():
-                self._group = None
-            for s in hit:
-                self._finish(s, "cancelled", [], "")
-            if not hit:
-                self._cancelled.add(rid)
+    def _fail_own(self, seq: Seq, what: str, e: Exception) -> None:
+        """`seq`'s own host-side work (`what`) raised: it ends alone with "error" (logged once)."""
+        if seq.done:
+            return
+        log.error("request %s: its %s raised; it ends with an error", seq.req.id, what, exc_info=e)
+        self._finish(seq, "error", [], "", own_error(what, e))
 
-    def _next_waiting(self) -> Seq | None:
-        """The oldest request not yet admitted (held ones first); cancelled ones are finished on the way."""
-        while True:
-            try:
-                seq = self._held.popleft() if self._held else self._waiting.get_nowait()
-            except queue.Empty:
-                return None
-            if seq.req.id not in self._cancelled:
-                return seq
-            self._cancelled.discard(seq.req.id)
-            self._finish(seq, "cancelled", [], "")
+    def _fail_shared(self, step: str, seqs, e: Exception, reset: bool = False) -> None:
+        """A program shared by `seqs` raised: each ends with a generic error (the exception and their ids logged
+        once); reset: the cache is rebuilt (the step had it donated, or wrote it half)."""
+        seqs = list({id(s): s for s in seqs if not s.done}.values())
+        log.error("the engine's %s failed; it ended requests %s", step, [s.req.id for s in seqs], exc_info=e)
+        self.stats["step_failures"] += 1
+        for s in seqs:
+            self._finish(s, "error", [], "", shared_error(step))
+        if reset:
+            self.cache = self._init(self.state, self.slots)
+            self._tokens[:], self._drafts[:] = 0, 0
+
+    def _handle_ends(self) -> None:
+        """Sends the ends recorded by `cancel` / `abort_all` (frees their slots)."""
+        for seq, reason, error in self._intake.ends():
+            self._finish(seq, reason, [], "", error)
 
     def _plan(self, seq: Seq) -> list[int]:
         return chunk_plan(len(seq.req.prompt) - seq.resumed, self.buckets, self.prefix.block if self.prefix else 0)
@@ -317,20 +294,23 @@ class Engine:
         free = sorted(set(range(self.slots)) - set(self._active))
         if self._group is not None or not free:
             return
-        head = self._next_waiting()
+        head = self._intake.take()
         if head is None:
             return
         seqs, staging, h = [head], None, None
         if self.prefix and self.prefix.match(head.req.prompt):
-            head.resumed, staging, h = self.prefix.restore(head.req.prompt, self._init(self.state, 1))
+            try:
+                head.resumed, staging, h = self.prefix.restore(head.req.prompt, self._init(self.state, 1))
+            except Exception as e:  # noqa: BLE001 - a failed program ends the requests it served only
+                return self._fail_shared("prefix cache restore", seqs, e)
         plan = self._plan(head)
         if not head.resumed and groupable(plan, self.prefill_batch_chunk):
             while len(seqs) < min(len(free), self.prefill_widths[-1]):
-                seq = self._next_waiting()
+                seq = self._intake.take()
                 if seq is None:
                     break
                 if (self.prefix and self.prefix.match(seq.req.prompt)) or self._plan(seq) != plan:
-                    self._held.appendleft(seq)  # the next group's head
+                    self._intake.untake(seq)  # the next group's head
                     break
                 seqs.append(seq)
         if self.prefix:
@@ -338,8 +318,12 @@ class Engine:
         w = width_for(len(seqs), self.prefill_widths)
         for seq, slot in zip(seqs, free):
             seq.slot = slot
-        staging = self._init(self.state, w) if staging is None else staging
-        self._group = Group(seqs, w, staging, plan, fed=head.resumed, h=self._h0[w]() if h is None else h)
+        try:
+            staging = self._init(self.state, w) if staging is None else staging
+            h = self._h0[w]() if h is None else h
+        except Exception as e:  # noqa: BLE001
+            return self._fail_shared("prefill step", seqs, e)
+        self._group = Group(seqs, w, staging, plan, fed=head.resumed, h=h)
         self.stats["prefill_groups"] += 1
 
     def _prefill_chunk(self) -> None:
@@ -348,24 +332,33 @@ class Engine:
         toks = np.zeros((g.width, c), np.int32)
         for i, s in enumerate(g.seqs):
             toks[i] = s.req.prompt[g.fed : g.fed + c]
-        logits, g.h, g.staging = self._prefill(self.state, g.staging, toks, g.h)
+        try:  # the group's own staging cache: a failure ends the group only
+            logits, g.h, g.staging = self._prefill(self.state, g.staging, toks, g.h)
+            hs = g.h if self.speculative else None
+            for i, s in enumerate(g.seqs if self.prefix else ()):
+                if not s.done:
+                    self.prefix.store(s.req.prompt, g.staging, g.fed, g.fed + c, hs, i)
+        except Exception as e:  # noqa: BLE001
+            self._group = None
+            return self._fail_shared("prefill step", g.live(), e)
         g.fed += c
         self.stats["prefill_tokens"] += c * len(g.live())
-        if self.prefix:
-            for i, s in enumerate(g.seqs):
-                if not s.cancelled:
-                    self.prefix.store(s.req.prompt, g.staging, g.fed - c, g.fed, g.h if self.speculative else None, i)
         if g.chunks:
             return
-        toks = self._run_insert(g, logits)
+        try:  # writes the shared cache (donated): a failure ends every request in a slot
+            toks = self._run_insert(g, logits)
+        except Exception as e:  # noqa: BLE001
+            self._group = None
+            return self._fail_shared("insert step", g.live() + list(self._active.values()), e, reset=True)
         self._group = None
         for s, tok in zip(g.seqs, toks):
-            if not s.cancelled:
+            if not s.done:
                 self._active[s.slot] = s
                 self._emit(s, tok)
 
     def _emit(self, seq: Seq, tok: int) -> None:
-        """Records a sampled token and sends what may be sent; finishes the request on a stop."""
+        """Records a sampled token and sends what may be sent; finishes the request on a stop. The request's own
+        host-side work (`lifecycle.advance`, its sink) raising ends it alone."""
         if seq.t_first is None:
             seq.t_first = time.perf_counter()
             self.stats["ttft_ms_sum"] += int(1000 * (seq.t_first - seq.t_submit))
@@ -374,29 +367,17 @@ class Engine:
             tok = seq.forced.pop(0)
         seq.generated.append(tok)
         self.stats["tokens"] += 1
-        if seq.req.think_budget is not None and not seq.think_done:
-            n, close = seq.req.think_budget
-            seq.think_done = seq.generated[-len(close) :] == close
-            if not seq.think_done and not seq.forced and len(seq.generated) >= n:
-                seq.forced = list(close)
         self._tokens[seq.slot] = tok
-        if tok in seq.eos:
-            text = seq.stop.flush()
-            return self._finish(seq, "stop", [tok], text)
-        text, hit = seq.stop.push(tok)
-        if hit is not None:
-            return self._finish(seq, "stop", [tok], text, stop=hit)
-        if seq.req.until is not None and seq.req.until(seq.stop.text):
-            return self._finish(seq, "stop", [tok], text + seq.stop.flush())
-        if (
-            len(seq.generated) >= seq.req.max_tokens
-            or len(seq.req.prompt) + len(seq.generated) >= self.max_len
-        ):
-            return self._finish(seq, "length", [tok], text + seq.stop.flush())
-        seq.sink(Event(seq.req.id, [tok], text))
-
-    def _width(self, n: int) -> int:
-        return width_for(n, self.decode_widths)
+        try:
+            reason, text, hit = advance(seq, tok, self.max_len)
+        except OwnFailure as e:
+            return self._fail_own(seq, e.what, e.__cause__)
+        if reason is not None:
+            return self._finish(seq, reason, [tok], text, stop=hit)
+        try:
+            seq.sink(Event(seq.req.id, [tok], text))
+        except Exception as e:  # noqa: BLE001 - its own sink: it ends this request only
+            self._fail_own(seq, "sink", e)
 
     def _compact(self) -> None:
         """Moves the highest busy slot into the lowest free one while that allows a narrower decode step (a
@@ -405,7 +386,7 @@ class Engine:
         while True:
             busy = set(self._active) | set(pre)
             top, free = max(busy), min(set(range(self.slots)) - busy, default=self.slots)
-            if free > top or self._width(len(busy)) >= self._width(top + 1):
+            if free > top or width_for(len(busy), self.decode_widths) >= width_for(top + 1, self.decode_widths):
                 return
             if top in pre:
                 seq = pre.pop(top)
@@ -418,22 +399,27 @@ class Engine:
             self.stats["slot_moves"] += 1
 
     def _decode_step(self) -> None:
-        if len(self.decode_widths) > 1:
-            self._compact()
-        b = self._width(max(self._active) + 1)  # the smallest width covering the busy slots
+        try:  # the decode, move and put programs write the shared cache: a failure ends every request in a slot
+            if len(self.decode_widths) > 1:
+                self._compact()
+        except Exception as e:  # noqa: BLE001
+            return self._fail_shared("slot move", list(self._active.values()), e, reset=True)
+        b = width_for(max(self._active) + 1, self.decode_widths)  # the smallest width covering the busy slots
         self.stats[f"decode_width_{b}"] += 1
-        active = np.zeros(b, bool)
-        counts = np.zeros(b, np.int32)
         seqs = [self._active.get(i) for i in range(b)]
-        for i, s in enumerate(seqs):
-            if s is not None:
-                active[i], counts[i] = True, len(s.generated)
+        mask = self._masks(seqs)  # a row whose constraint raises ends (that request only)
+        seqs = [None if s is None or s.done else s for s in seqs]
+        active = np.asarray([s is not None for s in seqs])
+        counts = np.asarray([0 if s is None else len(s.generated) for s in seqs], np.int32)
         drafts = self._drafts[:b].copy()
         verify = np.asarray([s is not None and s.req.temperature <= 0 and not s.forced
                              and s.req.constraint is None for s in seqs])  # fmt: skip
         t0 = time.perf_counter()
-        mask = self._masks(seqs)
-        out = self._run_decode(active, verify, mask, counts, sampling_args(seqs, b))  # one host transfer
+        try:
+            args = sampling_args(seqs, b, self.cfg.vocab_size)
+            out = self._run_decode(active, verify, mask, counts, args)  # one host transfer
+        except Exception as e:  # noqa: BLE001
+            return self._fail_shared("decode step", list(self._active.values()), e, reset=True)
         self.stats["decode_us"] += int(1e6 * (time.perf_counter() - t0))
         self.stats["steps"] += 1
         for i, s in enumerate(seqs):
@@ -452,8 +438,9 @@ class Engine:
                     self._emit(s, int(tok))
 
     def step(self) -> bool:
-        """One round: cancellations, admission, one prefill chunk, one decode step. False when idle."""
-        self._handle_cancels()
+        """One round: cancellations and aborts, admission, one prefill chunk, one decode step. False when idle.
+        A program's failure ends the requests it concerns (module docstring) and the step returns normally."""
+        self._handle_ends()
         self._admit()
         if self._group is None and not self._active:
             return False
@@ -470,24 +457,33 @@ class Engine:
         raise RuntimeError(f"the engine did not finish in {max_steps} steps")
 
     def run(self, stop: threading.Event) -> None:
-        """The engine thread's loop: steps while there is work, sleeps on new work until `stop` is set. A failed
-        step finishes every request with "error" (the engine keeps serving)."""
+        """The engine thread's loop: steps while there is work, sleeps on new work until `stop` is set. An
+        exception escaping a step (a bug) ends the requests the engine thread holds (generic error, logged once;
+        the cache is rebuilt) and the engine keeps serving. Once `stop` is set: no new request is accepted
+        (`drain`), the pending cancels and aborts are sent, every request still live ends with an error, and it
+        returns: no request is left without its terminal event."""
+        wake = self._intake.wake
         while not stop.is_set():
             try:
                 busy = self.step()
             except Exception as e:  # noqa: BLE001 - one bad step must not kill the server
-                self._fail_all(f"{type(e).__name__}: {e}")
+                self._step_failed(e)
                 busy = False
             if not busy:
-                self._wake.wait(0.05)
-                self._wake.clear()
+                wake.wait(0.05)
+                wake.clear()
+        self.drain()
+        self._handle_ends()
+        self.abort_all("internal error: the server stopped before this request finished")
+        self._handle_ends()
 
-    def _fail_all(self, msg: str) -> None:
-        seqs = list(self._active.values()) + (self._group.live() if self._group else [])
+    def _step_failed(self, e: Exception) -> None:
+        seqs = list(self._active.values()) + (self._group.live() if self._group else []) + self._intake.taken()
         self._group = None
-        self.cache = self._init(self.state, self.slots)
-        for s in seqs:
-            self._finish(s, "error", [], "", msg)
+        try:
+            self._fail_shared("step", seqs, e, reset=True)
+        except Exception:  # noqa: BLE001 - the cache could not be rebuilt: the next step will say so again
+            log.exception("the engine could not rebuild its cache")
 
 
 def generate(engine: Engine, requests: Sequence[Request]) -> list[list[int]]:

@@ -1,5 +1,6 @@
 """The serving engine's programs (glm53.serving.engine): the plain decode / prefill / insert functions, the decode
-step narrowed to the first b slots, and the XLA:CPU options the engine compiles them with.
+step narrowed to the first b slots, the XLA:CPU options the engine compiles them with, and an engine's jitted
+programs (`build_programs`) and their compilation (`warmup`).
 
 Narrow decode steps: a decode step over B slots costs B rows of every matmul and attention whatever number of
 slots is busy. The engine therefore compiles the step for widths b in `widths(B)` = (1, 2, 4, ..., B): width b
@@ -18,15 +19,19 @@ scanned model's stacked caches, whose leading axis is the repeats; 0 otherwise).
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from glm53 import sampling
 from glm53.generate import map_rows
 from glm53.model import Cache
+from glm53.serving.admit import Group, sampling_args
 
 # XLA:CPU options of every engine program on CPU (`cpu_options`; a caller's compiler_options are added on top).
 # YNNPACK fusions off: XLA:CPU turns the decode step's multi-row dots ([b, 256] x [256, 512] on glm53-mini) into
@@ -136,3 +141,68 @@ def placed(fn: Callable, place: Callable, replicated, *args):
     compile per program and shape, not one more per input layout)."""
     return tuple(place(x) if isinstance(x, Cache) else jax.lax.with_sharding_constraint(x, replicated)
                  for x in fn(*args))  # fmt: skip
+
+
+def build_programs(eng, compiler_options, build_fn: Callable) -> None:
+    """Sets engine `eng`'s jitted programs (attributes of the engine itself, which glm53.serving.multihost finds
+    there): `build_fn` is `build` or its speculative variant (glm53.serving.speculative.build)."""
+    gd = eng.graphdef
+    jit = functools.partial(jax.jit, compiler_options=compiler_options)
+
+    def keys(seeds, counts):
+        return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counts)
+
+    decode, prefill, insert = build_fn(gd, keys)
+    if eng._rep is not None:  # sharded: outputs placed as the inputs come (no second compile per program)
+        decode, prefill, insert = (functools.partial(placed, f, eng._place, eng._rep)
+                                   for f in (decode, prefill, insert))  # fmt: skip
+    d, dt = eng.cfg.hidden_size, eng._h_dtype  # a fresh staging's h [w, 1, D], where prefill's h lives
+    eng._h0 = {w: jit(lambda w=w: jnp.zeros((w, 1, d), dt), out_shardings=eng._rep) for w in eng.prefill_widths}
+    eng._prefill, eng._insert = jit(prefill, donate_argnums=(1,)), jit(insert, donate_argnums=(1,))
+    eng._decodes = {b: jit(narrow(decode, b)) for b in eng.decode_widths[:-1]}  # then `put`
+    eng._decodes[eng.slots] = jit(decode, donate_argnums=(1,))
+    # fresh functions: jit's cache, which `compiled_programs` counts, is per function (not per engine)
+    eng._move = jit(lambda cache, src, dst: move(cache, src, dst), donate_argnums=(0,))
+    eng._put = jit(lambda cache, rows: put(cache, rows), donate_argnums=(0,))
+    place, max_len = eng._place, eng.max_len
+    eng._init = jit(lambda state, b: place(nnx.merge(gd, state).init_cache(b, max_len)), static_argnums=(1,))
+
+
+def compiled(eng) -> int:
+    """Programs engine `eng` compiled so far (decode per width, put per narrower width, move, prefill per (prefill
+    width, bucket), insert, cache init and fresh h per prefill width, the prefix cache's four and two more per
+    prefill width > 1)."""
+    extra = (*eng._decodes.values(), *eng._h0.values(), *(eng.prefix.programs if eng.prefix else ()))
+    extra += (eng._move, eng._put) if len(eng.decode_widths) > 1 else ()
+    return sum(f._cache_size() for f in (eng._prefill, eng._insert, eng._init, *extra))
+
+
+def warmup(eng, log: Callable[[str], None] | None = None) -> float:
+    """Compiles every program of engine `eng` once (a line per program to `log`); returns the seconds it took."""
+    t0 = time.perf_counter()
+    for b in eng.decode_widths:
+        t, z, none = time.perf_counter(), np.zeros(b, bool), [None] * b
+        eng._run_decode(z, z, eng._masks(none), np.zeros(b, np.int32), sampling_args(none, b))
+        if log:
+            log(f"compiled decode [{b} slots{', speculative' if eng.speculative else ''}] "
+                f"({time.perf_counter() - t:.1f} s)")  # fmt: skip
+    for w in eng.prefill_widths:
+        g = Group([], w, eng._init(eng.state, w), [], h=eng._h0[w]())
+        for c in eng.buckets if w == 1 else [c for c in eng.buckets if c <= eng.prefill_batch_chunk]:
+            t = time.perf_counter()
+            logits, g.h, g.staging = eng._prefill(eng.state, g.staging, np.zeros((w, c), np.int32), g.h)
+            jax.block_until_ready(logits)
+            if log:
+                log(f"compiled prefill chunk {c}" + (f" x {w} requests" if w > 1 else "")
+                    + f" ({time.perf_counter() - t:.1f} s)")  # fmt: skip
+        if eng.prefix:
+            jax.block_until_ready(eng.prefix.warmup(g.staging, g.h if eng.speculative else None))
+        g.staging, g.h = eng._init(eng.state, w), eng._h0[w]()  # fresh: the warm-up chunks may pass max_len
+        eng._run_insert(g, logits)
+    if len(eng.decode_widths) > 1:
+        eng.cache = eng._move(eng.cache, 0, 0)
+    eng.warm = True
+    dt = time.perf_counter() - t0
+    if log:
+        log(f"engine warm: {eng.compiled_programs()} programs in {dt:.1f} s")
+    return dt

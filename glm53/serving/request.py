@@ -1,4 +1,10 @@
-"""The engine's requests and what it sends back: `Request`, `Event` (to a request's `Sink`), `QueueFull`."""
+"""The engine's requests and what it sends back: `Request`, `Event` (to a request's `Sink`), `QueueFull`, `Closed`.
+
+Validation is the engine's boundary: whatever `Request` and `check_request` accept, the engine's programs can
+represent (int32 top_k and token ids, float32 sampling parameters, a context that holds the prompt); each
+ValueError's message starts with the field's name (`top_k=...: ...`, `prompt: ...`), which the HTTP layer
+reports as the bad parameter.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +12,20 @@ import dataclasses
 import numbers
 from collections.abc import Callable
 
+import numpy as np
+
 from glm53 import sampling
+from glm53.serving.limits import INT32_MAX, Limits
+
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 class QueueFull(RuntimeError):
-    """The engine's waiting queue is full: the request is refused (HTTP 429 / 503)."""
+    """The engine holds as many live requests as it may (slots + max_queue): the request is refused (HTTP 429)."""
+
+
+class Closed(RuntimeError):
+    """The engine is draining (`Engine.drain`: the server is shutting down): the request is refused (HTTP 503)."""
 
 
 @dataclasses.dataclass
@@ -38,7 +53,15 @@ class Request:
     constraint: object | None = None
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """ValueError naming the first bad field (also run by `check_request`: a field set after construction)."""
         sampling.check_params(self.temperature, self.top_p, self.top_k)
+        if self.top_k > INT32_MAX:
+            raise ValueError(f"top_k={self.top_k!r}: must be an integer in [0, {INT32_MAX}] (0 = off)")
+        if self.temperature > F32_MAX:
+            raise ValueError(f"temperature={self.temperature!r}: must be at most {F32_MAX:.4g} (float32)")
         for name in ("max_tokens", "seed"):
             v = getattr(self, name)
             if (
@@ -49,9 +72,9 @@ class Request:
                 raise ValueError(f"{name}={v!r}: must be an integer >= {1 if name == 'max_tokens' else 0}")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop: stop sequences must be non-empty strings")  # not echoed: it may be large
         self.stop = tuple(self.stop)
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop={self.stop!r}: stop sequences must be non-empty strings")
 
 
 @dataclasses.dataclass
@@ -75,14 +98,46 @@ class Event:
 Sink = Callable[[Event], None]
 
 
-def check_request(req: Request, vocab_size: int, max_len: int, has_text: bool) -> None:
+def _ids_ok(ids, vocab_size: int) -> bool:
+    return all(
+        not isinstance(t, bool) and isinstance(t, numbers.Integral) and 0 <= t < vocab_size for t in ids
+    )
+
+
+def check_request(
+    req: Request, vocab_size: int, max_len: int, has_text: bool, limits: Limits | None = None
+) -> None:
     """ValueError naming the field when `req` cannot run on an engine of this vocabulary and context (has_text:
-    the engine detokenizes, which constrained decoding needs)."""
+    the engine detokenizes, which constrained decoding needs; limits: its stop strings' bounds, default Limits())."""
+    limits = Limits() if limits is None else limits
+    req.validate()
     p = req.prompt
     if not isinstance(p, list) or not p:
         raise ValueError("prompt: at least one token is needed")
-    if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size for t in p):
+    if not _ids_ok(p, vocab_size):
         raise ValueError(f"prompt: token ids must be integers in [0, {vocab_size})")
+    if len(p) >= max_len:
+        raise ValueError(f"prompt: {len(p)} tokens; the context holds {max_len} (prompt and new tokens)")
+    if len(req.stop) > limits.max_stop:
+        raise ValueError(f"stop: {len(req.stop)} stop sequences; at most {limits.max_stop}")
+    if any(len(s) > limits.max_stop_chars for s in req.stop):
+        raise ValueError(f"stop: a stop sequence of {max(map(len, req.stop))} characters; at most "
+                         f"{limits.max_stop_chars}")  # fmt: skip
+    eos = req.eos_ids
+    if eos is not None and not (
+        isinstance(eos, (list, tuple, set, frozenset)) and _ids_ok(eos, INT32_MAX + 1)
+    ):
+        raise ValueError(f"eos_ids: token ids must be integers in [0, {INT32_MAX}]")
+    if req.think_budget is not None:
+        b = req.think_budget
+        ok = isinstance(b, (tuple, list)) and len(b) == 2 and not isinstance(b[0], bool)
+        if not (ok and isinstance(b[0], numbers.Integral) and b[0] >= 0 and isinstance(b[1], (list, tuple))
+                and b[1] and _ids_ok(b[1], vocab_size)):  # fmt: skip
+            raise ValueError(f"think_budget: (N >= 0, the closing token ids in [0, {vocab_size})) expected")
+    if req.until is not None and not callable(req.until):
+        raise ValueError("until: must be callable (text -> bool)")
+    if req.constraint is not None and not callable(getattr(req.constraint, "allowed", None)):
+        raise ValueError("constraint: must have allowed(text, n) -> bool [V]")
     if len(p) + req.max_tokens > max_len:
         raise ValueError(f"max_tokens: the prompt's {len(p)} tokens + max_tokens {req.max_tokens} exceed the "
                          f"context of {max_len} tokens")  # fmt: skip

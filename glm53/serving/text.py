@@ -25,11 +25,12 @@ class StopText:
         hold = 0
         if text.endswith("\ufffd"):
             hold = len(text) - len(text.rstrip("\ufffd"))
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
+        for s in self.stop:  # the longest proper prefix of s that the text ends with: it starts at an s[0]
+            i = text.find(s[0], max(0, len(text) - len(s) + 1))
+            while i >= 0 and not s.startswith(text[i:]):
+                i = text.find(s[0], i + 1)
+            if i >= 0:
+                hold = max(hold, len(text) - i)
         return hold
 
     def push(self, tok: int) -> tuple[str, str | None]:
