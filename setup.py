@@ -17,6 +17,7 @@ TEST = [
 ]
 SERVE = ["fastapi", "uvicorn", "pydantic>=2", "prometheus-client"]  # experiments.serve (glm53/serving/app.py)
 TEST += SERVE + ["openai", "anthropic"]  # the server is tested with the official SDKs
+TEST += ["schemathesis"]  # fuzzing the server from its OpenAPI schema (tests/test_serving_fuzz.py)
 
 setup(
     name="glm53",

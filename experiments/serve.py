@@ -8,7 +8,10 @@ Endpoints: POST /v1/chat/completions, /v1/completions, /v1/messages, /v1/message
 /health (503 until every program is compiled), /metrics (Prometheus). Prints ``listening on http://HOST:PORT``
 once the socket is bound. Compiled programs persist in JAX's compilation cache (--compilation_cache, "" = off),
 so a second start compiles nothing. The engine's prefill chunk sizes are --buckets (must include 1).
-SIGINT / SIGTERM stop the server cleanly (exit status 0: the engine thread finishes its step first).
+SIGINT / SIGTERM drain the server (glm53.serving.http.Shutdown): new requests get 503 + Retry-After, running
+ones may finish within --shutdown_grace_s, then end with the API's error event; exit status 0 (a second signal
+skips the rest of the grace). What the server reads and how long it waits: one flag per field of
+glm53.serving.limits.Limits (--max_body_bytes, --header_timeout_s, ...), for the HTTP layer and the engine.
 Several processes (``--coordinator ...``, e.g. under ``python -m experiments.launch``): the model on the config's
 mesh over every process's devices, HTTP and the scheduler on process 0, whose program calls the others replay
 (glm53.serving.multihost; the prefix cache must be off); on SIGINT / SIGTERM process 0 releases the others,
@@ -18,6 +21,7 @@ format of glm53.serving.tools; a call forced by name is answered with that call,
 """
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -37,6 +41,8 @@ from glm53.parallel import distributed
 from glm53.serving import multihost
 from glm53.serving.app import make_app
 from glm53.serving.engine import Engine
+from glm53.serving.http import server_config
+from glm53.serving.limits import Limits
 from glm53.serving.reasoning import THINK_CLOSE, THINK_OPEN
 from glm53.serving.text import detokenizer
 
@@ -88,20 +94,48 @@ _HEARTBEAT = flags.DEFINE_float(
     "collectives time out when idle for long; 0: never)",
 )  # fmt: skip
 _MOE_IMPL = cli.define_moe_impl_flag()
+_LIMIT_HELP = {
+    "max_body_bytes": "request body bytes read (chunked or not) before a 413",
+    "max_json_depth": "nesting of a body's JSON (objects and arrays) before a 400",
+    "header_timeout_s": "seconds a connection has to send its request line and headers (then it is closed)",
+    "body_timeout_s": "seconds a request has to send its whole body (then 408)",
+    "keep_alive_s": "seconds an idle keep-alive connection stays open",
+    "max_stop": "stop strings per request",
+    "max_stop_chars": "characters of a stop string",
+    "max_tools": "tools per request",
+    "max_schema_depth": "nesting of a tool's JSON schema",
+    "max_name_chars": "characters of a model or tool name",
+    "tokenize_threads": "prompts rendered and tokenized at once, off the event loop",
+    "shutdown_grace_s": "on SIGTERM / SIGINT, seconds running requests may finish before they end with an error",
+    "retry_after_s": "Retry-After (seconds) of a 429 (queue full) and a 503 (compiling, shutting down)",
+}
+_LIMITS = {
+    f.name: (flags.DEFINE_integer if f.type == "int" else flags.DEFINE_float)(
+        f.name, getattr(Limits(), f.name), f"{_LIMIT_HELP.get(f.name, f.name)} (Limits.{f.name})"
+    )
+    for f in dataclasses.fields(Limits)
+}
 ENGINE_THREAD = "glm53-engine"  # the engine's thread in glm53.serving.app
 
 
 class _Server(uvicorn.Server):
     """uvicorn's server, except that SIGINT / SIGTERM only end `run` (uvicorn raises them again afterwards, which
-    would end this process before the engine thread and the other processes are stopped). Signals from its
-    creation on count (those before `run` stop it once it has started)."""
+    would end this process before the engine thread and the other processes are stopped), once the app has
+    drained (`shutdown.start(then)`, glm53.serving.http.Shutdown: `then` ends `run`; None: at once). Signals
+    from its creation on count (those before `run` stop it once it has started)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, config):
+    def __init__(self, config, shutdown=None):
         super().__init__(config)
+        self.drainer = shutdown
         self._early: list[int] = []
         self._old = {s: signal.signal(s, lambda sig, _: self._early.append(sig)) for s in self.SIGNALS}
+
+    def handle_exit(self, sig, frame):
+        if self.drainer is None:
+            return super().handle_exit(sig, frame)
+        self.drainer.start(lambda: setattr(self, "should_exit", True))
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -140,6 +174,10 @@ def main(argv):
         raise app.UsageError(f"--heartbeat={_HEARTBEAT.value}: must be >= 0 (0: no heartbeat)")
     if _PREFIX_MB.value < 0 or _PREFIX_BLOCK.value < 1:
         raise app.UsageError("--prefix_cache_mb must be >= 0 and --prefix_block >= 1")
+    try:
+        limits = Limits(**{k: f.value for k, f in _LIMITS.items()})
+    except ValueError as e:
+        raise app.UsageError(f"--{e}") from None
     if not 0 <= _PORT.value < 65536:
         raise app.UsageError(f"--port={_PORT.value}: must be in [0, 65535]")
     try:
@@ -188,7 +226,8 @@ def main(argv):
                     prefix_block=_PREFIX_BLOCK.value, speculative=_SPEC.value,
                     decode_widths=None if _NARROW.value and not several else (_SLOTS.value,),
                     prefill_batch=_PREFILL_BATCH.value or None, prefill_batch_chunk=_PREFILL_BATCH_CHUNK.value,
-                    detokenize=detokenizer(tok, keep=(THINK_OPEN, THINK_CLOSE)), **engine_kw)  # fmt: skip
+                    detokenize=detokenizer(tok, keep=(THINK_OPEN, THINK_CLOSE)), limits=limits,
+                    **engine_kw)  # fmt: skip
     if several and not distributed.is_main_process():
         n = multihost.follow(engine)  # until process 0 stops serving
         print(f"replayed {n.calls} program calls of process 0 ({n.beats} idle heartbeats)", flush=True)
@@ -198,12 +237,13 @@ def main(argv):
     print(f"model {name!r}: {_SLOTS.value} slots x {_MAX_LEN.value} positions, prefill buckets {buckets}, prefix "
           f"cache {_PREFIX_MB.value} MiB (blocks of {_PREFIX_BLOCK.value}), MTP speculative "
           f"{'on' if _SPEC.value else 'off'}", flush=True)  # fmt: skip
-    application = make_app(engine, tok, name, api_key=_API_KEY.value, log=lambda s: print(s, flush=True))
+    application = make_app(engine, tok, name, api_key=_API_KEY.value, limits=limits,
+                           log=lambda s: print(s, flush=True))  # fmt: skip
     sock = socket.socket(socket.AF_INET6 if ":" in _HOST.value else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((_HOST.value, _PORT.value))
     host, port = sock.getsockname()[:2]
-    server = _Server(uvicorn.Config(application, log_level="warning", timeout_graceful_shutdown=2))
+    server = _Server(server_config(application, limits), application.state.shutdown)
     print(f"listening on http://{host}:{port}", flush=True)
     try:
         server.run(sockets=[sock])

@@ -8,7 +8,9 @@ text_delta, input_json_delta) / `_stop` per block, `message_delta` with the stop
 `message_stop`). A forced call's name is known before its arguments are generated, so its block (its
 `tool_calls` delta) opens at once; every call's arguments are sent when the generation ends, parsed (a call the
 model chose freely falls back to `{}` when its arguments are not JSON; a forced call's are decoded under the JSON
-constraint of glm53.serving.constrain and always parse).
+constraint of glm53.serving.constrain and always parse). A failed generation (an "error" event) ends a stream
+with the API's error event (`error_event`: OpenAI `data: {"error": {...}}` then `data: [DONE]`, Anthropic
+`event: error`) and a whole answer with a 500 `ApiError`.
 """
 
 from __future__ import annotations
@@ -64,9 +66,25 @@ def _sse(data) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+def _failure(ev: Event) -> str:
+    return f"generation failed: {ev.error or 'internal error'}"
+
+
 def _check(ev: Event) -> None:
+    """A failed generation (logged where its event arrived) as a 500 in the API's shape."""
     if ev.finish_reason == "error":
-        raise P.ApiError(500, f"generation failed: {ev.error}", None, "api_error")
+        e = P.ApiError(500, _failure(ev), None, "api_error")
+        e.logged = True
+        raise e
+
+
+def error_event(api: str, message: str) -> str:
+    """The terminal error of a stream: OpenAI's error chunk then `data: [DONE]` (as vLLM sends it), Anthropic's
+    `event: error`."""
+    body = P.error_body(api, P.ApiError(500, message, None, "api_error"))
+    if api == "anthropic":
+        return f"event: error\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+    return _sse(body) + "data: [DONE]\n\n"
 
 
 # ------------------------------------------------------------------------------------------------ OpenAI
@@ -145,6 +163,9 @@ async def openai_stream(gen: P.Generation, events: Events, model: str, chat: boo
             yield chunk(ev.text)
         if ev.finish_reason is None:
             continue
+        if ev.finish_reason == "error":
+            yield error_event("openai", _failure(ev))
+            return
         reason = _finish(ev)
         if chat:
             rest, calls = pieces.finish()
@@ -247,6 +268,9 @@ async def anthropic_stream(gen: P.Generation, events: Events, model: str) -> Asy
                 yield e
         if ev.finish_reason is None:
             continue
+        if ev.finish_reason == "error":
+            yield error_event("anthropic", _failure(ev))
+            return
         rest, calls = pieces.finish()
         for kind, text in rest:
             for e in blocks.delta("thinking" if kind == "reasoning" else "text", text):
