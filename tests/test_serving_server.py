@@ -555,3 +555,30 @@ def test_tool_call_parsing_and_streamed_content():
         T.openai_tools(None, "none") is None and T.anthropic_tools([{"name": "f"}], {"type": "none"}) is None
     )
     assert T.anthropic_tools([{"name": "f"}], {"type": "any"}).force == "f"
+
+
+def test_an_unrepresentable_parameter_hurts_no_one_else(server):
+    """The report's attack (top_k = 2**31 passed validation, then failed every request in flight): now a 400
+    naming top_k on both APIs, while a concurrent greedy stream gives exactly its solo text; and the openai SDK's
+    `models.retrieve` finds the model (404 in the API's shape for another)."""
+    alone = "".join(c.choices[0].delta.content or "" for c in _chat(server, "Count to ten.", 24, stream=True) if c.choices)
+    victim = {}
+
+    def stream():
+        victim["text"] = "".join(
+            c.choices[0].delta.content or "" for c in _chat(server, "Count to ten.", 24, stream=True) if c.choices
+        )
+
+    t = threading.Thread(target=stream)
+    t.start()
+    bad = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5, "temperature": 1, "top_k": 2**31}
+    for path in ("/v1/chat/completions", "/v1/messages"):
+        for _ in range(3):
+            status, body = _post(server, path, {"model": MODEL, **bad})
+            assert status == 400 and "top_k" in body, (path, status, body)
+    t.join(120)
+    assert victim["text"] == alone
+    c = _oai(server)
+    assert c.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("no-such-model")
