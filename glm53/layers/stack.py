@@ -137,13 +137,15 @@ def describe_groups(groups: Sequence[LayerGroup]) -> str:
 def _stack_leaf(xs: Sequence):
     """Stacks equal arrays (or ShapeDtypeStructs) on a new, unsharded leading axis."""
     x0 = xs[0]
+    if isinstance(x0, jax.core.Tracer):  # before `.sharding`: a tracer's builds an error text (0.1 s a leaf)
+        return jnp.stack(xs)
     sharding = getattr(x0, "sharding", None)
     out = None
     if isinstance(sharding, NamedSharding):
         out = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
     if isinstance(x0, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct((len(xs), *x0.shape), x0.dtype, sharding=out)
-    if out is not None and not isinstance(x0, jax.core.Tracer):
+    if out is not None:
         return jax.jit(lambda *a: jnp.stack(a), out_shardings=out)(*xs)
     return jnp.stack(xs)
 
