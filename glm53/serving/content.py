@@ -49,7 +49,9 @@ def _blocks(content, where: str) -> list:
 
 
 # ------------------------------------------------------------------------------------------------ OpenAI
-def _openai_text(content, where: str) -> str:
+def _plain_text(content, where: str, api: str, kinds: tuple[str, ...]) -> str:
+    """Text of a content that must be text: a string, or blocks of the `kinds` (joined); any other block is
+    refused in `api`'s terms."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -57,17 +59,16 @@ def _openai_text(content, where: str) -> str:
     out = []
     for j, part in enumerate(_blocks(content, where)):
         w, kind = f"{where}[{j}]", part.get("type")
-        if kind in ("text", "refusal"):
-            out.append(_text(part, kind, w))
-        else:
-            raise _refuse("openai", kind, w, "'text'")
+        if kind not in kinds:
+            raise _refuse(api, kind, w, "'text'")
+        out.append(_text(part, kind, w))
     return "".join(out)
 
 
 def openai_message(m, i: int) -> dict:
     """One OpenAI chat message (glm53.serving.protocol.ChatMessage) as a template message."""
     where = f"messages[{i}]"
-    content = _openai_text(m.content, f"{where}.content")
+    content = _plain_text(m.content, f"{where}.content", "openai", ("text", "refusal"))
     if m.role == "tool":
         return {"role": "tool", "content": T.render_result(content)}
     for j, c in enumerate(m.tool_calls or ()):
@@ -83,17 +84,7 @@ def openai_message(m, i: int) -> dict:
 # ------------------------------------------------------------------------------------------------ Anthropic
 def _anthropic_text(content, where: str) -> str:
     """Text of a system prompt or a tool result: a string or text blocks."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    out = []
-    for j, part in enumerate(_blocks(content, where)):
-        w, kind = f"{where}[{j}]", part.get("type")
-        if kind != "text":
-            raise _refuse("anthropic", kind, w, "'text'")
-        out.append(_text(part, "text", w))
-    return "".join(out)
+    return _plain_text(content, where, "anthropic", ("text",))
 
 
 def anthropic_system(system) -> str:
