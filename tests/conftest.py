@@ -38,7 +38,9 @@ LONGEST_FIRST = (
     "test_moe_quant.py",
     "test_entry_points.py",
     "test_sharding.py",
+    "test_scan.py",  # scanned == unrolled: forward, prefill in pieces, sharded, Pallas experts in place
     "test_export.py",
+    "test_scan_train.py",
     "test_gguf_model.py",
     "test_bench_peer.py",
     "test_compile_tpu.py",
@@ -53,6 +55,9 @@ LONGEST_FIRST = (
     "test_train_kill.py",
     "test_train_step.py",
     "test_serving_server.py",
+    "test_serving_fuzz.py",  # >= 2,000 requests (schemathesis + hypothesis + raw HTTP)
+    "test_scan_serving.py",
+    "test_scan_checkpoints.py",
     "test_serving_engine.py",
     "test_serving_spec.py",
     "test_serving_prefix.py",
