@@ -21,12 +21,16 @@ Fields:
   n_ctx, n_chunks chunks of n_ctx tokens of the held-out split; the second half of each is scored
   split           the corpus split scored ("test"); tokens: a JSON file of token-id lists to score instead
   imatrix         an imatrix GGUF for +imatrix ("": computed from imatrix_chunks chunks of imatrix_split)
-  layout, moe_impl  how glm53 keeps and runs the quantized experts (planes / reencoded; auto = by backend)
+  layout          how glm53 keeps the quantized experts (planes / reencoded)
+  kernels         the implementation of each kernel op (glm53.config.kernels.KernelConfig; every op "auto", the
+                  backend's best), e.g. --config.kernels.moe=xla_quant; the base model runs the reference experts
   llama_cpp       also score every GGUF with llama.cpp (llama-cpp-python), the cross-check column
   threads         llama.cpp threads (0: all cores)
 """
 
 import ml_collections
+
+from glm53.config.kernels import KernelConfig
 
 IQUANTS = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")
 LADDER = ("F32", "BF16", "F16", "Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q4_0", "IQ4_NL", "IQ4_XS", "Q3_K", "IQ3_S",
@@ -59,7 +63,7 @@ def get_config(name: str = "default") -> ml_collections.ConfigDict:
             imatrix_split="validation",
             imatrix_chunks=16,
             layout="planes",
-            moe_impl="auto",
+            kernels=KernelConfig().to_dict(),
             llama_cpp=True,
             threads=0,
         )

@@ -7,6 +7,8 @@ Override any field from the command line, e.g. ``--config.model.index_topk=1024`
 
 import ml_collections
 
+from glm53.config.kernels import KernelConfig
+
 
 def model_config() -> ml_collections.ConfigDict:
     n = 45
@@ -75,7 +77,7 @@ def quant_config() -> ml_collections.ConfigDict:
     """Routed experts as in Unsloth's UD-IQ3_XXS GGUF (glm53.config.QuantConfig); e.g. ``--config.quant.layout=
     reencoded`` for the gather-free IQ2_S / IQ3_S layouts, ``--config.quant.experts=q4_k`` for another format."""
     return ml_collections.ConfigDict(
-        dict(experts="ud_iq3_xxs", layout="planes", moe_impl="auto", decode_max_slots=512)
+        dict(experts="ud_iq3_xxs", layout="planes", decode_max_slots=512)
     )
 
 
@@ -90,6 +92,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     cfg = ml_collections.ConfigDict()
     cfg.model = model_config()
     cfg.quant = quant_config()
+    cfg.kernels = ml_collections.ConfigDict(KernelConfig().to_dict())  # every op "auto", the backend's best
     cfg.mesh = mesh_config()
     cfg.seed = 0
     cfg.param_dtype = "bfloat16"

@@ -11,10 +11,13 @@ Variants:
   python -m experiments.generate --config=configs/tiny.py:default --prompt="hello" --max_new=16
 
 The ``mesh`` section (glm53.parallel.MeshConfig) picks the device mesh and rule set, e.g.
-``--config.mesh.shape="(2, 4)" --config.mesh.rules=ep``.
+``--config.mesh.shape="(2, 4)" --config.mesh.rules=ep``; the ``kernels`` section
+(glm53.config.kernels.KernelConfig) the implementation of each kernel op, e.g. ``--config.kernels.moe=reference``.
 """
 
 import ml_collections
+
+from glm53.config.kernels import KernelConfig
 
 _BASE = dict(
     vocab_size=128,
@@ -124,8 +127,14 @@ def quant_config() -> ml_collections.ConfigDict:
     a multiple of the block size (256 for K- and i-quants): use the `gguf` or `small` variant, e.g.
     ``--config=configs/tiny.py:gguf --config.quant.experts=ud_iq3_xxs`` or ``--config.quant.experts=q4_k``."""
     return ml_collections.ConfigDict(
-        dict(experts="none", layout="planes", moe_impl="reference", decode_max_slots=64)
+        dict(experts="none", layout="planes", decode_max_slots=64)
     )
+
+
+def kernels_config() -> ml_collections.ConfigDict:
+    """The implementation of each kernel op (glm53.config.kernels.KernelConfig): its defaults, every op "auto"
+    (the backend's best); listed so that ``--config.kernels.OP=NAME`` can set one."""
+    return ml_collections.ConfigDict(KernelConfig().to_dict())
 
 
 def mesh_config() -> ml_collections.ConfigDict:
@@ -137,6 +146,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     cfg = ml_collections.ConfigDict()
     cfg.model = model_config(arg or "default")
     cfg.quant = quant_config()
+    cfg.kernels = kernels_config()
     cfg.mesh = mesh_config()
     cfg.seed = 0
     cfg.param_dtype = "float32"

@@ -12,8 +12,7 @@ from __future__ import annotations
 from absl import flags
 
 from experiments import cli
-from glm53.benchmarks import dequant, harness
-from glm53.parallel import distributed
+from glm53.benchmarks import dequant
 from glm53.quant.formats import I_QUANTS, K_QUANTS
 
 _TYPES = flags.DEFINE_list("types", list(I_QUANTS + K_QUANTS + ("Q8_0",)), "GGUF types to benchmark.")
@@ -34,9 +33,7 @@ def main(argv):
         _TYPES.value, _ROWS.value, _COLS.value, _REPEATS.value, _QUANT_ROWS.value, _IMPLS.value, _SEED.value
     )
     print(dequant.format_table(records))
-    if _OUT.value and distributed.is_main_process():  # several processes: process 0 writes
-        harness.write_result(_OUT.value, records)
-        print(f"wrote {_OUT.value}")
+    cli.write_result(_OUT.value, records)
 
 
 if __name__ == "__main__":

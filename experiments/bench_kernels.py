@@ -18,7 +18,6 @@ from ml_collections import config_flags
 from experiments import cli
 from glm53.benchmarks import harness
 from glm53.benchmarks import kernels as bench
-from glm53.parallel import distributed
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "benchmark set (configs/bench_kernels.py:NAME)", lock_config=True
@@ -28,8 +27,7 @@ _OUT = flags.DEFINE_string("out", None, "write the result as JSON here")
 
 def main(argv):
     del argv
-    if _CONFIG.value is None:
-        raise app.UsageError("--config is required (e.g. configs/bench_kernels.py:cpu)")
+    cli.require_config(_CONFIG.value, "configs/bench_kernels.py:cpu")
     try:
         settings = bench.Settings.from_config(_CONFIG.value)
     except (ValueError, KeyError) as e:
@@ -44,9 +42,7 @@ def main(argv):
     for n in result["notes"]:
         print(f"note: {n}")
     print(harness.describe(result["machine"]))
-    if _OUT.value and distributed.is_main_process():  # several processes: process 0 writes
-        harness.write_result(_OUT.value, result)
-        print(f"wrote {_OUT.value}")
+    cli.write_result(_OUT.value, result)
 
 
 if __name__ == "__main__":

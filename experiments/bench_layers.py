@@ -23,7 +23,6 @@ from glm53 import build
 from glm53.benchmarks import harness, peer
 from glm53.benchmarks import layers as L
 from glm53.config import model_config_from_dict
-from glm53.parallel import distributed
 from glm53.quant.mixes import LAYOUTS
 
 DEFAULT_CONFIG = "configs/tiny.py:small"
@@ -74,7 +73,8 @@ def main(argv):
         what = f"{_GGUF.value} ({_FORMAT.value}, {_LAYOUT.value})"
     else:
         cfg = model_config_from_dict(_CONFIG.value.model)
-        model = build.random_model(cfg, seed=_CONFIG.value.seed, kernels={"moe": "auto"})
+        kernels = build.kernels_from_experiment_config(_CONFIG.value)
+        model = build.random_model(cfg, seed=_CONFIG.value.seed, kernels=kernels)
         what = f"config {cli.config_name('config') or DEFAULT_CONFIG} (random f32 weights)"
     result = dict(machine=harness.machine(), model=what, phases={})
     print(f"{what}; {harness.describe(result['machine'])}", flush=True)
@@ -89,9 +89,7 @@ def main(argv):
         print(f"{name}: whole forward {whole:.2f} ms, pieces alone {total:.2f} ms; top pieces:")
         for k, v in list(r["by_kind"].items())[: _TOP.value]:
             print(f"  {k:28s} {v['median_s'] * 1e3:8.2f} ms  {100 * v['share']:5.1f}%")
-    if _OUT.value and distributed.is_main_process():  # several processes: process 0 writes
-        harness.write_result(_OUT.value, result)
-        print(f"wrote {_OUT.value}")
+    cli.write_result(_OUT.value, result)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from absl import app, flags
 
 from experiments import cli
 from glm53.benchmarks import harness, moe_cpu
-from glm53.parallel import distributed
 
 _TOKENS = flags.DEFINE_list("tokens", ["1", "8", "64", "512"], "Token counts T (decode form for T*K <= 64).")
 _IMPLS = flags.DEFINE_list(
@@ -44,9 +43,7 @@ def main(argv):
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     print(harness.describe(result["machine"]))
-    if _OUT.value and distributed.is_main_process():  # several processes: process 0 writes
-        harness.write_result(_OUT.value, result)
-        print(f"wrote {_OUT.value}")
+    cli.write_result(_OUT.value, result)
 
 
 if __name__ == "__main__":

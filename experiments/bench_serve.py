@@ -19,7 +19,7 @@ per decode step. --repeats=R runs every setting R times in interleaved rounds (e
 median total tokens/s; every round's total printed). The last line is the ratio of the largest N's total tokens/s
 to one stream's. --out writes the
 rows as JSON, --png plots them (needs matplotlib). --narrow=off runs every decode step over all slots (the
-engine's default runs the smallest width 1, 2, 4, ... covering the busy slots: glm53.serving.programs).
+engine's default runs the smallest width 1, 2, 4, ... covering the busy slots: glm53.runtime.programs).
 --step_costs times the decode step alone instead (no requests): at each --streams count as slots, under each
 set of compile options in STEP_OPTIONS, and the narrow widths of one engine of the largest count, all
 interleaved in this process (p10 and median per program: ratios hold on a loaded machine).
@@ -115,7 +115,7 @@ def main(argv):
     mtp_settings = _settings(_MTP.value)
     with_mtp = True in mtp_settings
     weights, label = assets.resolve(_WEIGHTS.value, _CONFIG.value)
-    kernels = {"moe": _MOE_IMPL.value}
+    kernels = cli.kernel_config(_CONFIG.value, _MOE_IMPL)
     several, main_process = distributed.process_count() > 1, distributed.is_main_process()
     say = print if main_process else (lambda *a, **k: None)
     narrow_settings, run = _settings(_NARROW.value), None

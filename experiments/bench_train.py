@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from absl import app, flags
 
-from configs import tiny
+from configs import tiny, train
 from experiments import cli
+from glm53 import build
 from glm53.benchmarks import harness
 from glm53.benchmarks import train as bench
 from glm53.config import model_config_from_dict
-from glm53.parallel import distributed
 
 _CONFIGS = flags.DEFINE_list("configs", ["tiny"], "configs/tiny.py variants (tiny = default)")
 _BATCH = flags.DEFINE_integer("batch_size", 4, "sequences per step")
@@ -43,12 +43,12 @@ def main(argv):
     models = {
         name: model_config_from_dict(tiny.model_config(ALIASES.get(name, name))) for name in _CONFIGS.value
     }
-    result = bench.run(models, bench.Settings(_BATCH.value, _SEQ.value, _REPEATS.value, _SEED.value))
+    kernels = build.kernels_from_experiment_config(train.get_config())  # the kernels training runs
+    settings = bench.Settings(_BATCH.value, _SEQ.value, _REPEATS.value, _SEED.value, kernels=kernels)
+    result = bench.run(models, settings)
     m = result["machine"]
     print(f"{harness.describe(m)}; torch threads {m['torch_threads']}")
-    if _OUT.value and distributed.is_main_process():  # several processes: process 0 writes
-        harness.write_result(_OUT.value, result)
-        print(f"wrote {_OUT.value}")
+    cli.write_result(_OUT.value, result)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Callable
 
@@ -23,7 +24,8 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from glm53.config import MOE_IMPLEMENTATIONS
+from glm53 import build
+from glm53.config.kernels import OPS, KernelConfig
 from glm53.errors import CheckpointError, ConfigError, DataError, GGUFError, ShardingError, TrainingError
 from glm53.parallel import distributed
 from glm53.tokenizer import TokenizerError
@@ -103,8 +105,14 @@ def parse_flags(argv: list[str]) -> list[str]:
     except flags.Error as e:
         usage_exit(str(e))
     except (AttributeError, KeyError) as e:  # ml_collections: an override of a field the config lacks
-        field = str(e).strip("'\"")
-        usage_exit(f"{_config_flag(argv, field)}: the config has no field {field!r}")
+        msg = str(e)  # the field's name first, quoted (and escaped), maybe 'Did you mean "x" instead of "y"?'
+        name = re.search(r"\w+", msg)
+        field = name.group(0) if name else msg
+        similar = re.search(r'Did you mean \\?"(\w+)\\?"', msg)
+        hint = f'; did you mean "{similar.group(1)}"?' if similar else ""
+        if field == "moe_impl":  # quant.moe_impl of older configs and commands
+            hint = "; the expert kernel is --config.kernels.moe"
+        usage_exit(f"{_config_flag(argv, field)}: the config has no field {field!r}{hint}")
     except INPUT_ERRORS as e:
         usage_exit(str(e))
     except Exception as e:  # noqa: BLE001 -- a config file that fails to load, whatever it raises
@@ -139,10 +147,45 @@ def run(main: Callable[[list[str]], None]) -> None:
 
 
 def define_moe_impl_flag() -> flags.FlagHolder:
-    """`--moe_impl` (default auto) for the entry points that build their model's kernels themselves (generate,
-    serve, bench_serve): passed as `kernels={"moe": ...}` to `build.random_model` / `build.load_model` /
-    `build.sharded_model` (it overrides a config's quant.moe_impl)."""
+    """`--moe_impl` of the entry points that may run without --config (generate, serve, bench_serve): the kernels
+    section's ``moe`` for a run that has no config to set it in (`kernel_config`). Unset: the config's."""
     return flags.DEFINE_enum(
-        "moe_impl", "auto", list(MOE_IMPLEMENTATIONS),
-        "routed-expert implementation (kernels.moe.api); auto: by backend (CPU: the loop over distinct experts)",
+        "moe_impl", None, list(OPS["moe"]),
+        "routed-expert implementation (kernels.moe.api) of a run without --config (the shipped model, --weights "
+        "alone); with --config set --config.kernels.moe. Unset: the config's kernels section, else "
+        f"{KernelConfig().moe} (the backend's best)",
     )  # fmt: skip
+
+
+def kernel_config(config, moe_impl: flags.FlagHolder) -> KernelConfig:
+    """The run's KernelConfig: the experiment config's ``kernels`` section (`build.kernels_from_experiment_config`;
+    no config: every op "auto"), with `--moe_impl` as its ``moe`` when given. One setting per run: --moe_impl with
+    a --config is a usage error naming --config.kernels.moe, the config's own field."""
+    kernels = build.kernels_from_experiment_config(config)
+    if moe_impl.value is None:
+        return kernels
+    if config is not None:
+        raise app.UsageError(
+            f"--moe_impl={moe_impl.value}: with --config, set --config.kernels.moe={moe_impl.value} instead"
+        )
+    return kernels.replace(moe=moe_impl.value)
+
+
+def require_config(config, example: str):
+    """The `--config` value, or a usage error naming an example (entry points whose config has no default)."""
+    if config is None:
+        raise app.UsageError(f"--config is required (e.g. {example})")
+    return config
+
+
+def write_result(path: str | None, result, write: Callable | None = None, blank_line: bool = False) -> None:
+    """Writes `result` as JSON to `path` (`write(path, result)`, default `glm53.benchmarks.harness.write_result`)
+    when a path is given, on process 0 only (several processes: one file), and says so."""
+    if not path or not distributed.is_main_process():
+        return
+    if write is None:
+        from glm53.benchmarks import harness  # the benchmark harness only where a result is written
+
+        write = harness.write_result
+    write(path, result)
+    print(f"{chr(10) if blank_line else ''}wrote {path}")

@@ -52,8 +52,7 @@ _OUT = flags.DEFINE_string("out", None, "write the result as JSON here")
 
 def main(argv):
     del argv
-    if _CONFIG.value is None:
-        raise app.UsageError("--config is required (e.g. configs/glm53_flash.py)")
+    cli.require_config(_CONFIG.value, "configs/glm53_flash.py")
     try:
         settings = compile_tpu.Settings(
             topology=_TOPOLOGY.value,

@@ -8,7 +8,7 @@
 
 Without --weights and --config it runs the trained model shipped with glm53 (`glm53.assets`, exactly as
 ``--weights=glm53/assets/mini``); --config alone runs that config's seeded random model (noise, for tests).
-Decoding runs on the serving engine (glm53.serving.engine: one slot, prefill in chunks of 256/64/16/4/1 tokens,
+Decoding runs on the serving engine (glm53.serving.offline: one slot, prefill in chunks of 256/64/16/4/1 tokens,
 sampling on device), the decode loop `experiments.serve` runs too. Prints what runs (first line), the new token
 ids (and text when a tokenizer is present; without one, text is bytes) and decode tokens/s. --chat renders --prompt as a user message with the tokenizer's chat template (printed).
 --speculative decodes greedily with MTP drafts, then also plain greedy in the same run: it prints the draft
@@ -18,17 +18,15 @@ mesh (``--config.mesh.shape=(1,8) --config.mesh.rules=ep``); --weights without -
 device on "model", tensor parallel); with both, --config gives the mesh and quant sections.
 """
 
-import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from experiments import cli
-from glm53 import assets, build, generate, tokenizer
+from glm53 import assets, build, tokenizer
 from glm53.config import model_config_from_dict
-from glm53.serving import engine as E
-
-BUCKETS = (1, 4, 16, 64, 256)  # prefill chunk sizes: any prompt splits into at most 3 chunks of each
+from glm53.runtime.sampling import SamplingParams, check_prompts
+from glm53.serving import offline
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "experiment config (configs/*.py[:variant])", lock_config=True
@@ -61,11 +59,11 @@ _VERIFY = flags.DEFINE_bool("verify", True, "check the CRC-32 of every tensor of
 _MOE_IMPL = cli.define_moe_impl_flag()
 
 
-def sampling_params(eos_ids=()) -> generate.SamplingParams:
+def sampling_params(eos_ids=()) -> SamplingParams:
     """The sampling flags as SamplingParams; UsageError naming the flag outside its domain."""
     try:
-        return generate.SamplingParams(temperature=_TEMP.value, top_p=_TOP_P.value, top_k=_TOP_K.value,
-                                       max_new=_MAX_NEW.value, eos_ids=tuple(eos_ids), seed=_SEED.value)  # fmt: skip
+        return SamplingParams(temperature=_TEMP.value, top_p=_TOP_P.value, top_k=_TOP_K.value,
+                              max_new=_MAX_NEW.value, eos_ids=tuple(eos_ids), seed=_SEED.value)  # fmt: skip
     except ValueError as e:
         raise app.UsageError(f"--{e}") from None
 
@@ -76,31 +74,6 @@ def _median(xs: list[float]) -> float:
     return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
-def run_engine(eng: E.Engine, ids: list[int], sp: generate.SamplingParams) -> generate.GenerationResult:
-    """One request on `eng` (compiling what it needs on first use): its tokens and timings. Prefill: until the
-    first token; decode: the rest; steady: after the first decode step (which compiles on a cold engine)."""
-    times, out, last = [], [], {}
-    req = E.Request(list(ids), max_tokens=sp.max_new, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-                    seed=sp.seed, eos_ids=tuple(sp.eos_ids))  # fmt: skip
-
-    def sink(ev: E.Event) -> None:
-        times.extend([time.perf_counter()] * len(ev.token_ids))
-        out.extend(ev.token_ids)
-        last["ev"] = ev
-
-    steps0 = eng.stats["steps"]
-    t0 = time.perf_counter()
-    eng.submit(req, sink)
-    eng.run_until_idle()
-    ev, steps = last["ev"], eng.stats["steps"] - steps0
-    res = generate.GenerationResult([out], prefill_s=times[0] - t0, decode_s=times[-1] - times[0],
-                                    decode_steps=steps, accepted=ev.accepted, drafted=ev.drafted)  # fmt: skip
-    second = next((i for i, t in enumerate(times) if t > times[0]), None)  # the first decode step's tokens
-    if second is not None and steps > 1 and times[-1] > times[second]:
-        res.steady_s, res.steady_steps = times[-1] - times[second], steps - 1
-    return res
-
-
 def speculative_vs_greedy(model, ids: list[int], max_new: int, eos_ids, repeats: int, **engine_kw):
     """(speculative result, plain greedy result, speedup line) for one prompt, each on its own one-slot engine.
 
@@ -108,18 +81,16 @@ def speculative_vs_greedy(model, ids: list[int], max_new: int, eos_ids, repeats:
     each, all compiled: the speedup is the median over pairs of (speculative / greedy) decode tokens/s (new
     tokens over the time after prefill), so machine load that drifts between pairs cancels.
     """
-    max_len = len(ids) + max_new + 2
-    sp = generate.SamplingParams(max_new=max_new, eos_ids=tuple(eos_ids))
-    engines = [E.Engine(model, slots=1, max_len=max_len, buckets=BUCKETS, speculative=s, **engine_kw)
-               for s in (True, False)]  # fmt: skip
-    spec, greedy = (run_engine(e, ids, sp) for e in engines)
+    sp = SamplingParams(max_new=max_new, eos_ids=tuple(eos_ids))
+    engines = [offline.engine_for(model, [ids], max_new, speculative=s, **engine_kw) for s in (True, False)]
+    spec, greedy = (offline.generate(e, [ids], sp) for e in engines)
     n = len(spec.tokens[0])
     if n < 2 or len(greedy.tokens[0]) < 2:
         return spec, greedy, f"speedup: not measured ({n} new token(s); needs at least 2)"
     s_tps, g_tps, ratios = [], [], []
     for _ in range(repeats):
-        s = run_engine(engines[0], ids, sp).decode_tokens_per_s
-        g = run_engine(engines[1], ids, sp).decode_tokens_per_s
+        s = offline.generate(engines[0], [ids], sp).decode_tokens_per_s
+        g = offline.generate(engines[1], [ids], sp).decode_tokens_per_s
         s_tps.append(s)
         g_tps.append(g)
         ratios.append(s / g)
@@ -158,12 +129,13 @@ def main(argv):
             ids = tok.encode(_PROMPT.value)
     flag = "--prompt_ids" if _PROMPT_IDS.value is not None else "--prompt"
     try:
-        generate.check_prompts([ids], cfg.vocab_size, cfg.max_position_embeddings, _MAX_NEW.value)
+        check_prompts([ids], cfg.vocab_size, cfg.max_position_embeddings, _MAX_NEW.value)
     except ValueError as e:
         raise app.UsageError(f"{flag} / --max_new: {e}") from None
+    kernels = cli.kernel_config(_CONFIG.value, _MOE_IMPL)  # the config's kernels section, or --moe_impl
     run = build.sharded_model(
         _CONFIG.value, weights=weights, dtype=build.parse_dtype(_DTYPE.value),
-        with_mtp=build.MTP_CHOICES[_MTP.value], verify=_VERIFY.value, kernels={"moe": _MOE_IMPL.value},
+        with_mtp=build.MTP_CHOICES[_MTP.value], verify=_VERIFY.value, kernels=kernels,
     )  # fmt: skip
     logging.debug("model config: %s", run.cfg)
     print(build.describe_run(run, config_name=cli.config_name("config"), seed=_CONFIG.value and _CONFIG.value.seed,
@@ -177,11 +149,8 @@ def main(argv):
         res, greedy, speed = speculative_vs_greedy(
             run.model, ids, _MAX_NEW.value, cfg.eos_token_ids, _REPEATS.value, **mesh
         )
-    elif _MAX_NEW.value == 0:
-        res = generate.GenerationResult([[]], prefill_s=0.0, decode_s=0.0, decode_steps=0)
     else:
-        eng = E.Engine(run.model, slots=1, max_len=len(ids) + _MAX_NEW.value + 1, buckets=BUCKETS, **mesh)
-        res = run_engine(eng, ids, sampling_params(cfg.eos_token_ids))
+        res = offline.generate(run.model, [ids], sampling_params(cfg.eos_token_ids), **mesh)
     new = res.tokens[0]
     if chat is not None:
         print("chat:", repr(chat))
@@ -194,7 +163,7 @@ def main(argv):
     print(line)
     if _SPEC.value:
         print(f"MTP drafts accepted: {res.accepted}/{res.drafted} ({res.acceptance_rate:.1%})")
-        print(generate.identity_line(new, greedy.tokens[0]))
+        print(offline.identity_line(new, greedy.tokens[0]))
         print(speed)
 
 

@@ -13,7 +13,7 @@ sharding rules and the format definitions (glm53/memory/); nothing is allocated.
 
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from experiments import cli
@@ -23,7 +23,6 @@ from glm53.memory import budget
 from glm53.memory.caches import CacheLayout
 from glm53.memory.placement import PLACEMENTS
 from glm53.memory.report import report
-from glm53.parallel import distributed
 from glm53.quant.budget import LAYOUTS
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -61,8 +60,7 @@ _OUT = flags.DEFINE_string("out", None, "write the result as JSON here")
 
 def main(argv):
     del argv
-    if _CONFIG.value is None:
-        raise app.UsageError("--config is required (e.g. configs/glm53_flash.py)")
+    cli.require_config(_CONFIG.value, "configs/glm53_flash.py")
     try:
         result = budget.memory_budget(
             model_config_from_dict(_CONFIG.value.model),
@@ -81,9 +79,7 @@ def main(argv):
     except (ConfigError, ValueError) as e:  # bad values: the message names the flag / field, no usage dump
         raise SystemExit(f"memory_budget: {e}") from None
     print(report(result))
-    if _OUT.value and distributed.is_main_process():  # several processes: process 0 writes
-        write_json(_OUT.value, result)
-        print(f"\nwrote {_OUT.value}")
+    cli.write_result(_OUT.value, result, write_json, blank_line=True)
 
 
 if __name__ == "__main__":

@@ -190,6 +190,7 @@ def main(argv):
         jax.config.update("jax_compilation_cache_dir", _CACHE.value)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     weights, label = assets.resolve(_WEIGHTS.value, _CONFIG.value)
+    kernels = cli.kernel_config(_CONFIG.value, _MOE_IMPL)
     several = distributed.process_count() > 1
     engine_kw = {}
     if several:
@@ -200,7 +201,7 @@ def main(argv):
                 "--prefix_cache_mb: must be 0 with several processes (not replayed across them)"
             )
         run = build.sharded_model(_CONFIG.value, weights=weights, dtype=build.parse_dtype(_DTYPE.value),
-                                  with_mtp=_SPEC.value, kernels={"moe": _MOE_IMPL.value})  # fmt: skip
+                                  with_mtp=_SPEC.value, kernels=kernels)  # fmt: skip
         cfg, model = run.cfg, run.model
         engine_kw = dict(mesh=run.mesh, rules=run.rules)
     # One process: one device, unsharded: every program's inputs and outputs share one layout (no recompilation).
@@ -208,10 +209,10 @@ def main(argv):
         cfg = model_config_from_dict(_CONFIG.value.model)
         model = build.random_model(cfg, seed=_CONFIG.value.seed, dtype=build.parse_dtype(_CONFIG.value.param_dtype),
                                    quant=build.quant_from_experiment_config(_CONFIG.value), with_mtp=_SPEC.value,
-                                   kernels={"moe": _MOE_IMPL.value})  # fmt: skip
+                                   kernels=kernels)  # fmt: skip
     else:
         cfg, model = build.load_model(weights, dtype=build.parse_dtype(_DTYPE.value), with_mtp=_SPEC.value,
-                                      kernels={"moe": _MOE_IMPL.value})  # fmt: skip
+                                      kernels=kernels)  # fmt: skip
     model = build.apply_runtime_fields(model, _CONFIG.value)  # e.g. model.scan_layers: stacks the loaded layers
     if _SPEC.value and model.mtp is None:
         raise app.UsageError("--speculative drafts with the MTP block, and this model has none")

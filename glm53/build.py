@@ -25,6 +25,7 @@ from glm53.config import (
     model_config_to_dict,
     quant_config_from_dict,
 )
+from glm53.config.kernels import KernelConfig, kernel_config, kernel_config_from_dict
 from glm53.errors import CheckpointError, ConfigError, ShardingError
 from glm53.layers.stack import describe_groups
 from glm53.model import Glm53Model
@@ -51,12 +52,22 @@ def quant_from_experiment_config(config) -> QuantConfig | None:
     return quant_config_from_dict(config.quant) if "quant" in config else None
 
 
+def kernels_from_experiment_config(config) -> KernelConfig:
+    """The experiment config's optional `kernels` section as a KernelConfig (no config or no section: every op
+    "auto")."""
+    if config is None or "kernels" not in config or config.kernels is None:
+        return KernelConfig()
+    return kernel_config_from_dict(config.kernels)
+
+
 def model_from_experiment_config(config) -> tuple[ModelConfig, Glm53Model]:
     """From an experiment ConfigDict (``configs/*.py:get_config``): its `model`, `seed`, `param_dtype` and the
-    optional `quant` section (routed-expert formats and the expert kernel). Unsharded."""
+    optional `quant` (routed-expert formats) and `kernels` (the implementation of each op) sections. Unsharded."""
     cfg = model_config_from_dict(config.model)
     quant = quant_from_experiment_config(config)
-    return cfg, random_model(cfg, seed=config.seed, dtype=parse_dtype(config.param_dtype), quant=quant)
+    kernels = kernels_from_experiment_config(config)
+    dtype = parse_dtype(config.param_dtype)
+    return cfg, random_model(cfg, seed=config.seed, dtype=dtype, quant=quant, kernels=kernels)
 
 
 MTP_CHOICES = {"auto": None, "on": True, "off": False}
@@ -176,7 +187,7 @@ def sharded_model(
     dtype=jnp.float32,
     with_mtp: bool | None = None,
     verify: bool = True,
-    kernels: dict[str, str] | None = None,
+    kernels: KernelConfig | dict[str, str] | None = None,
 ) -> ShardedModel:
     """The model an entry point runs, on the mesh of `config` (`experiment_mesh`).
 
@@ -187,9 +198,10 @@ def sharded_model(
     with the weights is a ConfigError (`check_model_section`). Every tensor is read straight into its shards
     (an Orbax checkpoint leaf by leaf, checksums checked unless `verify` is False; HF / GGUF tensors placed by
     `glm53.parallel.abstract_sharded_model`). with_mtp: None builds the MTP block when the weights have one.
-    kernels: implementation per kernel op (`Glm53Model`), e.g. {"moe": "auto"}; a quant section's moe_impl
-    yields to it.
+    kernels: the implementation of each kernel op (`Glm53Model`); None: the config's ``kernels`` section
+    (`kernels_from_experiment_config`: every op "auto" without one).
     """
+    kernels = kernels_from_experiment_config(config) if kernels is None else kernel_config(kernels)
     if weights is None:
         cfg = model_config_from_dict(config.model)
         mesh, rules = experiment_mesh(config, cfg)
@@ -212,9 +224,7 @@ def sharded_model(
         )  # fmt: skip
     else:
         quant = quant_from_experiment_config(config) if config is not None else None
-        kw = {"quant": quant} if quant is not None else {}
-        if kernels is not None:
-            kw["kernels"] = kernels
+        kw = {"quant": quant, "kernels": kernels} if quant is not None else {"kernels": kernels}
         if quant is not None and experts is None and os.path.isdir(weights):
             raise ConfigError("config.quant: quantized experts need GGUF experts (--experts or a GGUF file)")
         _, model = load_model(

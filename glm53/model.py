@@ -18,6 +18,7 @@ from flax import nnx, struct
 
 from glm53 import dims
 from glm53.config import ModelConfig, QuantConfig
+from glm53.config.kernels import KernelConfig, kernel_config
 from glm53.layers.block import DecoderLayer
 from glm53.layers.linear import Linear
 from glm53.layers.mtp import MTPBlock
@@ -62,10 +63,11 @@ class Glm53Model(nnx.Module):
     Args:
       cfg: the model config.
       dtype: parameter (and compute) dtype.
-      kernels: implementation per kernel op, e.g. {"kda": "reference", "moe": "reference"}.
+      kernels: the implementation of each kernel op: a `glm53.config.kernels.KernelConfig`, or a mapping of
+        some ops validated into one (e.g. {"moe": "reference"}); None: KernelConfig() (every op "auto", the
+        backend's best). Kept as `self.kernels`.
       with_mtp: build the MTP block when cfg.num_nextn_predict_layers > 0.
-      quant: routed-expert storage (QuantizedExperts per glm53.quant.qweight.expert_formats) and, unless
-        `kernels` names one, the "moe" implementation (quant.moe_impl).
+      quant: routed-expert storage (QuantizedExperts per glm53.quant.qweight.expert_formats).
     """
 
     def __init__(
@@ -74,14 +76,14 @@ class Glm53Model(nnx.Module):
         *,
         rngs: nnx.Rngs,
         dtype=jnp.float32,
-        kernels: dict[str, str] | None = None,
+        kernels: KernelConfig | dict[str, str] | None = None,
         with_mtp: bool = True,
         quant: QuantConfig | None = None,
     ):
         self.cfg = cfg
         self.dtype = dtype
-        if quant is not None:
-            kernels = {"moe": quant.moe_impl, **(kernels or {})}
+        kernels = kernel_config(kernels)
+        self.kernels = kernels
         self.quant = quant
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs, dtype=dtype)
         layers = [

@@ -1,14 +1,44 @@
-"""Shared by the serving tests: driving an engine through a staggered batch of requests; a model-free engine and
-an in-process server for the HTTP tests."""
+"""Shared by the serving tests: an oracle of greedy decoding (one prompt alone, one token per step, numpy argmax),
+driving an engine through a staggered batch of requests; a model-free engine and an in-process server for the HTTP
+tests."""
 
 from __future__ import annotations
 
 import collections
+import functools
 import http.client
 import json
 import socket
 import threading
 import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from glm53.runtime.weights import decode_state
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2,))
+def _step(graphdef, state, cache, tokens):
+    m = nnx.merge(graphdef, state)
+    h, cache = m.hidden(tokens, cache=cache)
+    return m.logits(h)[:, -1], cache
+
+
+def greedy_alone(model, prompt, n: int, max_len: int = 40) -> list[int]:
+    """Greedy decoding of one prompt alone: a batch-1 cache fed one token per step (prompt included) on the
+    decode state (glm53.runtime.weights), numpy argmax: the reference batched engines must reproduce."""
+    gd, state = nnx.split(model)
+    state = decode_state(model, state)
+    cache = model.init_cache(1, max_len)
+    for t in prompt:
+        logits, cache = _step(gd, state, cache, np.asarray([[t]], np.int32))
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(np.asarray(logits[0]))))
+        logits, cache = _step(gd, state, cache, np.asarray([[out[-1]]], np.int32))
+    return out
 
 
 def run_staggered(eng, reqs, late: int = 2, after: int = 3):

@@ -10,6 +10,8 @@ import math
 import pytest
 
 from configs import tiny
+from configs import train as train_configs
+from glm53 import build
 from glm53.benchmarks import harness
 from glm53.benchmarks import train as bench
 from glm53.config import model_config_from_dict
@@ -23,7 +25,8 @@ CFG = model_config_from_dict(_d)
 
 
 def test_bench_train_record(tmp_path):
-    s = bench.Settings(batch_size=2, seq_len=16, repeats=2, fast_compile=True)
+    kernels = build.kernels_from_experiment_config(train_configs.get_config())  # the kernels training runs
+    s = bench.Settings(batch_size=2, seq_len=16, repeats=2, fast_compile=True, kernels=kernels)
     lines = []
     result = bench.run({"tiny2": CFG}, s, log=lines.append)
     rec = result["configs"]["tiny2"]

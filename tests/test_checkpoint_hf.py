@@ -69,7 +69,7 @@ def mtp_tensors(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     for k, t in ref.items():
         if k.startswith(src) and "_hc." not in k:
             out[k] = t
-    out = _to_release_names(out)
+    out = release_names(out)
     out = {k.replace(src, f"{P}layers.{cfg.num_hidden_layers}."): t for k, t in out.items()}
     n = f"{P}layers.{cfg.num_hidden_layers}."
     out[n + "eh_proj.weight"] = 0.05 * torch.randn(d, 2 * d, generator=g)
@@ -80,7 +80,7 @@ def mtp_tensors(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     return {k: t.contiguous().clone() for k, t in out.items()}
 
 
-def _to_release_names(sd: dict) -> dict:
+def release_names(sd: dict) -> dict:
     """Unfuses transformers' in-memory expert / conv / forget-gate names into the release's (for MTP only)."""
     out = {}
     for k, t in sd.items():

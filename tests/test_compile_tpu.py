@@ -1,6 +1,6 @@
 """`experiments.compile_tpu` on the release widths, 2 layers (a dense KDA layer and a DSA + MoE layer with UD
 planes), one stream, one small prefill bucket and a short context: compiled by libtpu for a v5e-8 slice on this
-host, the JSON holds every figure the README's table reads, the Mosaic expert kernels and their gathers, and the
+host, the JSON holds every figure docs/tpu.md's table reads, the Mosaic expert kernels and their gathers, and the
 compile census."""
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def _narrow_config() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(
         dict(
             model=model,
-            quant=dict(experts="iq4_xs", layout="planes", moe_impl="pallas_tpu", decode_max_slots=64),
+            quant=dict(experts="iq4_xs", layout="planes", decode_max_slots=64),
             mesh=dict(axes=("data", "model"), shape=(1, -1), rules="tp"),
             seed=0,
             param_dtype="bfloat16",
@@ -179,12 +179,12 @@ def test_compiled_non_expert_weights_equal_the_budget(placement):
 @pytest.mark.parametrize("placement, gb", [("prior_art", 1_280_122_792), ("tp", 1_402_269_992)])
 def test_release_non_expert_weights_equal_the_budget(placement, gb):
     """The release model as compile_tpu builds it (abstract, placed on v5e:2x4; nothing compiled): its non-expert
-    weights per chip equal the memory budget's per class (README "Memory budget": 1.28 GB prior_art, 1.40 GB tp)."""
+    weights per chip equal the memory budget's per class (docs/tpu.md "Memory budget": 1.28 GB prior_art, 1.40 GB tp)."""
     config = glm53_flash.get_config()
     cfg = model_config_from_dict(config.model)
-    quant = QuantConfig(experts="ud_iq3_xxs", layout="planes", moe_impl="pallas_tpu")
+    quant = QuantConfig(experts="ud_iq3_xxs", layout="planes")
     mesh = tpu.topology_mesh("v5e:2x4", (1, 8), ("data", "model"))
-    model = compile_tpu.abstract_model(cfg, quant, mesh, placement)
+    model = compile_tpu.abstract_model(cfg, quant, mesh, placement, kernels={"moe": "pallas_tpu"})
     budget = {k: v["bytes_per_device"] for k, v in non_expert_by_class(cfg, 8, placement).items()}
     assert compile_tpu.weights_by_class(model) == budget
     assert sum(budget.values()) == gb

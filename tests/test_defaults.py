@@ -2,7 +2,8 @@
 
 The entry points run on a stand-in for ``glm53/assets/mini`` (a random transformers model with an MTP block, saved
 in bf16 with a BPE tokenizer and the GLM chat template), pointed to by $GLM53_DEFAULT_MODEL, the one documented
-override. References: glm53's loader + Generator / scoring in this process, the `tokenizers` library directly.
+override. References: glm53's loader + the serving engine (glm53.serving.offline) / scoring in this process, the
+`tokenizers` library directly.
 """
 
 from __future__ import annotations
@@ -21,34 +22,20 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from configs import train
-from glm53 import assets, build, generate, scoring
+from glm53 import assets, build, scoring
 from glm53.config import model_config_from_dict
 from glm53.data import bpe
 from glm53.errors import CheckpointError
-from glm53.generate import identity_line
+from glm53.runtime.sampling import SamplingParams
+from glm53.serving import offline
+from glm53.serving.offline import identity_line
 from glm53.testing.hf_torch import random_hf_model
+from tests.test_checkpoint_hf import release_names  # transformers' fused expert names -> the release's
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 P = "model.language_model."
 TEXT = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
         "import os\nimport sys\n\nclass Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n"] * 20  # fmt: skip
-
-
-def _release_names(sd: dict) -> dict:
-    """transformers' fused in-memory expert names -> the release's per-expert names (how MTP blocks ship)."""
-    out = {}
-    for k, t in sd.items():
-        if k.endswith("mlp.experts.gate_up_proj"):
-            f = t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[k.replace("gate_up_proj", f"{e}.gate_proj.weight")] = t[e, :f]
-                out[k.replace("gate_up_proj", f"{e}.up_proj.weight")] = t[e, f:]
-        elif k.endswith("mlp.experts.down_proj"):
-            for e in range(t.shape[0]):
-                out[k.replace("down_proj", f"{e}.down_proj.weight")] = t[e]
-        else:
-            out[k] = t
-    return out
 
 
 def make_standin(folder: str) -> None:
@@ -64,7 +51,7 @@ def make_standin(folder: str) -> None:
     hf.to(torch.bfloat16).save_pretrained(folder)
     n, d = cfg.num_hidden_layers, cfg.hidden_size
     src, dst = f"{P}layers.{n - 1}.", f"{P}layers.{n}."
-    mtp = _release_names({k: t for k, t in hf.state_dict().items() if k.startswith(src) and "_hc." not in k})
+    mtp = release_names({k: t for k, t in hf.state_dict().items() if k.startswith(src) and "_hc." not in k})
     mtp = {k.replace(src, dst): t for k, t in mtp.items()}
     g = torch.Generator().manual_seed(2)
     mtp[dst + "eh_proj.weight"] = 0.05 * torch.randn(d, 2 * d, generator=g)
@@ -92,9 +79,8 @@ def loaded(standin):
 def greedy(loaded):
     """Plain greedy decoding of the stand-in loaded in this process (f32, as the entry points load it)."""
     cfg, model = loaded
-    gen = generate.Generator(model)
-    return lambda prompt, n: gen.generate(
-        [prompt], generate.SamplingParams(max_new=n, eos_ids=cfg.eos_token_ids)
+    return lambda prompt, n: offline.generate(
+        model, [prompt], SamplingParams(max_new=n, eos_ids=cfg.eos_token_ids)
     ).tokens[0]
 
 

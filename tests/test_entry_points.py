@@ -17,11 +17,13 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from glm53 import build, generate, scoring
+from glm53 import build, scoring
 from glm53 import parallel as S
 from glm53.config import model_config_from_dict
 from glm53.errors import ShardingError
 from glm53.parallel.moe import ShardedMoE
+from glm53.runtime.sampling import SamplingParams
+from glm53.serving import offline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = tiny.get_config("sharded")
@@ -51,7 +53,7 @@ def unsharded():
     """Logits, NLL and greedy tokens of the config's seeded random model on one device."""
     _, model = build.model_from_experiment_config(CONFIG)
     logits, nll = scoring.score(model, SEQS)
-    greedy = generate.Generator(model).generate([PROMPT], generate.SamplingParams(max_new=MAX_NEW))
+    greedy = offline.generate(model, [PROMPT], SamplingParams(max_new=MAX_NEW))
     return dict(logits=logits, nll=nll, greedy=greedy.tokens[0])
 
 
@@ -86,16 +88,14 @@ def test_config_without_a_mesh_section_runs_on_the_default_mesh(unsharded):
     assert len(kernel.sharding.device_set) == 8 and not kernel.sharding.is_fully_replicated
     logits, _ = scoring.score(run.model, SEQS)
     assert rel(logits[0], unsharded["logits"][0]) <= 1e-5
-    gen = generate.Generator(run.model, mesh=run.mesh, rules=run.rules)
-    cache = gen.init_cache(2, 32)
-    want = S.cache_shardings(cache, run.mesh, run.rules)
-    for a, s in zip(jax.tree.leaves(cache), jax.tree.leaves(want), strict=True):
+    eng = offline.engine_for(run.model, [PROMPT], MAX_NEW, slots=2, mesh=run.mesh, rules=run.rules)
+    want = S.cache_shardings(eng.cache, run.mesh, run.rules)
+    for a, s in zip(jax.tree.leaves(eng.cache), jax.tree.leaves(want), strict=True):
         assert a.sharding.is_equivalent_to(s, a.ndim), (a.sharding, s)
-    _, _, cache = gen.forward(cache, [[1], [2]])  # the donated cache comes back in the same shardings
-    for a, s in zip(jax.tree.leaves(cache), jax.tree.leaves(want), strict=True):
-        assert a.sharding.is_equivalent_to(s, a.ndim), (a.sharding, s)
-    greedy = gen.generate([PROMPT], generate.SamplingParams(max_new=MAX_NEW)).tokens[0]
+    greedy = offline.generate(eng, [PROMPT], SamplingParams(max_new=MAX_NEW)).tokens[0]
     assert greedy == unsharded["greedy"]
+    for a, s in zip(jax.tree.leaves(eng.cache), jax.tree.leaves(want), strict=True):  # the donated cache comes
+        assert a.sharding.is_equivalent_to(s, a.ndim), (a.sharding, s)  # back in the same shardings
 
 
 def test_a_model_that_does_not_split_over_the_mesh():

@@ -1,5 +1,5 @@
 """Bad input at the entry points: every flag is checked before any work, by the library's validation functions
-(`glm53.sampling.check_params`, `glm53.generate.SamplingParams` / `check_prompts`, `glm53.scoring.
+(`glm53.runtime.sampling`: `check_params`, `SamplingParams`, `check_prompts`; `glm53.scoring.
 check_sequences`), and every error reaches the user as one line (`experiments.cli`): exit 2 for usage, 1 for bad
 input files. Fuzzed: random sampling flags, prompt lengths, token files and ``--config.model.*`` overrides give
 a named error or a correct result; a handful of real subprocess runs check the exit codes and the one line."""
@@ -20,8 +20,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from configs import tiny
-from glm53 import build, generate, sampling, scoring
+from glm53 import build, scoring
 from glm53.config import ConfigError, model_config_from_dict
+from glm53.runtime import sampling
+from glm53.runtime.sampling import SamplingParams, check_prompts
+from glm53.serving import offline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = model_config_from_dict(tiny.get_config("default").model)
@@ -35,7 +38,7 @@ NUMBERS = st.one_of(
 
 @pytest.fixture(scope="module")
 def gen():
-    return generate.Generator(build.random_model(CFG, seed=3))
+    return build.random_model(CFG, seed=3)
 
 
 # ------------------------------------------------------------------------------------------------ sampling flags
@@ -47,7 +50,7 @@ def gen():
 )  # fmt: skip
 def test_sampling_params_outside_their_domain_name_the_field(kw, flag):
     with pytest.raises(ValueError, match=f"^{flag}="):
-        generate.SamplingParams(**kw)
+        SamplingParams(**kw)
 
 
 @fuzz(600)
@@ -62,7 +65,7 @@ def test_fuzz_sampling_flags_are_valid_or_a_named_error(t, p, k, n):
         and isinstance(n, int) and not isinstance(n, bool) and n >= 0
     )  # fmt: skip
     try:
-        generate.SamplingParams(temperature=t, top_p=p, top_k=k, max_new=n)
+        SamplingParams(temperature=t, top_p=p, top_k=k, max_new=n)
     except ValueError as e:
         assert not ok
         assert str(e).split("=", 1)[0] in ("temperature", "top_p", "top_k", "max_new"), e
@@ -81,17 +84,17 @@ def test_fuzz_valid_sampling_draws_a_token_of_the_filtered_set(t, p, k):
 
 
 def test_max_new_zero_generates_nothing(gen):
-    assert gen.generate([[1, 2, 3]], generate.SamplingParams(max_new=0)).tokens == [[]]
-    assert gen.generate_speculative([1, 2, 3], 0).tokens == [[]]
+    assert offline.generate(gen, [[1, 2, 3]], SamplingParams(max_new=0)).tokens == [[]]
+    assert offline.generate(gen, [[1, 2, 3]], SamplingParams(max_new=0), speculative=True).tokens == [[]]
     with pytest.raises(ValueError, match="max_new=-3"):
-        gen.generate_speculative([1, 2, 3], -3)
+        SamplingParams(max_new=-3)
 
 
 def test_prompt_longer_than_the_model_allows(gen):
-    short = generate.Generator(build.random_model(CFG.replace(max_position_embeddings=8), seed=3))
+    short = build.random_model(CFG.replace(max_position_embeddings=8), seed=3)
     with pytest.raises(ValueError, match="max_position_embeddings 8"):
-        short.generate([[1] * 6], generate.SamplingParams(max_new=3))
-    assert len(short.generate([[1] * 5], generate.SamplingParams(max_new=3)).tokens[0]) == 3
+        offline.generate(short, [[1] * 6], SamplingParams(max_new=3))
+    assert len(offline.generate(short, [[1] * 5], SamplingParams(max_new=3)).tokens[0]) == 3
 
 
 @fuzz(400)
@@ -116,7 +119,7 @@ def test_fuzz_prompts_are_valid_or_a_named_error(prompts, max_new):
         )
     )  # fmt: skip
     try:
-        generate.check_prompts(prompts, CFG.vocab_size, 16, max_new)
+        check_prompts(prompts, CFG.vocab_size, 16, max_new)
     except ValueError as e:
         assert not ok and ("prompt" in str(e)), e
     else:

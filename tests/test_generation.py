@@ -1,5 +1,5 @@
-"""MTP speculative decoding (identity with greedy decoding), sampling through the generator, and the score /
-generate entry points on the tiny config."""
+"""MTP speculative decoding (identity with greedy decoding), sampling through `glm53.serving.offline.generate` (the
+serving engine's synchronous front), and the score / generate entry points on the tiny config."""
 
 from __future__ import annotations
 
@@ -12,18 +12,29 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from serving_helpers import greedy_alone
 
 from configs import tiny
-from glm53 import build, generate
+from glm53 import build
 from glm53.config import model_config_from_dict
+from glm53.runtime.sampling import SamplingParams
+from glm53.serving import offline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = model_config_from_dict(tiny.get_config("default").model)
+PROMPT = [3, 17, 99, 4, 56, 8, 21, 77, 30, 2, 90, 11, 64]  # 13 tokens: past index_topk, pools dropped
+FAST = {"xla_backend_optimization_level": 0}
+
+
+def _engines(model):
+    """(plain, speculative) one-slot engines for PROMPT and 24 new tokens (their programs reused by every test)."""
+    return model, *(offline.engine_for(model, [PROMPT], 24, speculative=s, compiler_options=FAST)
+                    for s in (False, True))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def gen():
-    return generate.Generator(build.random_model(CFG, seed=3))
+    return _engines(build.random_model(CFG, seed=3))
 
 
 @pytest.fixture(scope="module")
@@ -34,44 +45,47 @@ def two_token_gen():
     w = np.zeros(model.lm_head.kernel[...].shape, np.float32)
     w[:, 7] = np.random.default_rng(0).normal(size=w.shape[0])
     model.lm_head.kernel[...] = jnp.asarray(w)
-    return generate.Generator(model)
+    return _engines(model)
 
 
 @pytest.mark.parametrize("which", ["gen", "two_token_gen"])
 def test_speculative_equals_greedy(which, request):
-    g = request.getfixturevalue(which)
-    prompt = [3, 17, 99, 4, 56, 8, 21, 77, 30, 2, 90, 11, 64]  # 13 tokens: past index_topk, pools dropped
-    greedy = g.generate([prompt], generate.SamplingParams(max_new=24)).tokens[0]
-    spec = g.generate_speculative(prompt, 24)
+    model, plain, spec_eng = request.getfixturevalue(which)
+    greedy = offline.generate(plain, [PROMPT], SamplingParams(max_new=24)).tokens[0]
+    assert greedy == greedy_alone(model, PROMPT, 24)  # the engine's greedy tokens: one token per step alone
+    spec = offline.generate(spec_eng, [PROMPT], SamplingParams(max_new=24))
     print(f"{which}: acceptance {spec.accepted}/{spec.drafted}")
     assert spec.tokens[0] == greedy
+    assert offline.identity_line(spec.tokens[0], greedy).startswith("greedy identity: ")
     if which == "two_token_gen":
         assert 0 < spec.accepted < spec.drafted  # both branches ran
         assert spec.decode_steps < len(greedy) - 1  # accepted drafts saved trunk steps
 
 
 def test_speculative_stops_on_eos(two_token_gen):
-    # the prompt and length of test_speculative_equals_greedy: the same cache shape, so no program compiles again
-    prompt = [3, 17, 99, 4, 56, 8, 21, 77, 30, 2, 90, 11, 64]
-    greedy = two_token_gen.generate([prompt], generate.SamplingParams(max_new=24)).tokens[0]
+    _, plain, spec_eng = two_token_gen  # the engines of test_speculative_equals_greedy: nothing compiles again
+    greedy = offline.generate(plain, [PROMPT], SamplingParams(max_new=24)).tokens[0]
     eos = greedy[3]
-    spec = two_token_gen.generate_speculative(prompt, 24, eos_ids=(eos,)).tokens[0]
+    spec = offline.generate(spec_eng, [PROMPT], SamplingParams(max_new=24, eos_ids=(eos,))).tokens[0]
     assert spec == greedy[: greedy.index(eos) + 1]
 
 
 def test_sampling_is_seeded_and_respects_top_k(gen):
-    sp = generate.SamplingParams(temperature=1.0, top_k=1, max_new=8, seed=1)
-    greedy = gen.generate([[5, 6, 7]], generate.SamplingParams(max_new=8)).tokens[0]
-    assert gen.generate([[5, 6, 7]], sp).tokens[0] == greedy  # top-k 1 is greedy
-    sp = generate.SamplingParams(temperature=1.0, top_p=0.9, max_new=8, seed=5)
-    a = gen.generate([[5, 6, 7], [9]], sp).tokens
-    b = gen.generate([[5, 6, 7], [9]], sp).tokens
-    assert a == b
+    model = gen[0]
+    eng = offline.engine_for(model, [[5, 6, 7], [9]], 8, compiler_options=FAST)
+    greedy = offline.generate(eng, [[5, 6, 7]], SamplingParams(max_new=8)).tokens[0]
+    sp = SamplingParams(temperature=1.0, top_k=1, max_new=8, seed=1)
+    assert offline.generate(eng, [[5, 6, 7]], sp).tokens[0] == greedy  # top-k 1 is greedy
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_new=8, seed=5)
+    a = offline.generate(eng, [[5, 6, 7], [9]], sp).tokens
+    assert a == offline.generate(eng, [[5, 6, 7], [9]], sp).tokens and [len(t) for t in a] == [8, 8]
+    assert offline.generate(eng, [[9]], SamplingParams(temperature=1.0, top_p=0.9, max_new=8, seed=6)).tokens[0] \
+        == a[1]  # prompt i draws with seed + i: the same tokens alone or in a batch
 
 
 def test_generate_rejects_empty_prompt(gen):
     with pytest.raises(ValueError, match="at least one token"):
-        gen.generate([[]], generate.SamplingParams())
+        offline.generate(gen[0], [[]], SamplingParams())
 
 
 def _run(module, *args):

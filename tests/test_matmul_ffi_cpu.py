@@ -1,5 +1,5 @@
 """The CPU few-row matmul kernel (kernels/matmul/cpu_ffi.py, csrc/rowmm.cc), `StreamedKernel`, the xla_cpu MoE
-decode form on it, and `glm53.generate.decode_state`'s wrapping.
+decode form on it, and `glm53.runtime.weights.decode_state`'s wrapping.
 
 References: f64 numpy products (the kernel's f32 fma chains within f32 accumulation error), the f64 MoE loop of
 tests/test_moe.py, and exact identities: a row's result is bit-identical alone and inside any batch, run or
@@ -14,9 +14,9 @@ from flax import nnx
 from test_moe import _np_moe
 
 from configs import tiny
-from glm53 import generate
-from glm53.config import QuantConfig, model_config_from_dict
+from glm53.config import model_config_from_dict
 from glm53.model import Glm53Model
+from glm53.runtime import weights
 from kernels.matmul import cpu_ffi
 from kernels.matmul.streamed import MAX_ROWS, StreamedKernel
 from kernels.moe import api
@@ -147,12 +147,12 @@ def test_moe_decode_form_on_streamed_experts(monkeypatch):
 
 def test_decode_state_wraps_linear_and_expert_kernels():
     """decode_state wraps every f32 Linear kernel, mHC projection and the xla_cpu MoE layers' experts in
-    StreamedKernels over the same buffers (no copy); a Generator's greedy tokens from it equal those of the plain state, logits within f32
-    error."""
+    StreamedKernels over the same buffers (no copy); one-token steps on it give the plain state's greedy tokens,
+    logits within f32 error."""
     cfg = model_config_from_dict(tiny.model_config("default"))
-    model = Glm53Model(cfg, rngs=nnx.Rngs(3), with_mtp=False, quant=QuantConfig(experts="none", moe_impl="auto"))
+    model = Glm53Model(cfg, rngs=nnx.Rngs(3), with_mtp=False, kernels={"moe": "auto"})
     gd, state = nnx.split(model)
-    dstate = generate.decode_state(model, state)
+    dstate = weights.decode_state(model, state)
     wrapped = [x for x in jax.tree.leaves(dstate, is_leaf=lambda x: isinstance(x, StreamedKernel))
                if isinstance(x, StreamedKernel)]  # fmt: skip
     kinds = [type(m).__name__ for _, m in nnx.iter_graph(model)]

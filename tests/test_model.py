@@ -4,19 +4,56 @@ save_pretrained and loaded through glm53's real checkpoint loader."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from hf_reference import hf_logits, tiny_hf_model
 
 from configs import tiny
-from glm53 import generate
 from glm53.checkpoint import hf as hf_ckpt
 from glm53.config import model_config_from_dict
+from glm53.runtime.cache import map_rows
+from glm53.runtime.sampling import SamplingParams
+from glm53.serving import offline
 
 CFG = model_config_from_dict(tiny.get_config("parity").model)  # 8 layers, DSA at 3 and 7, topk 8 = 2 pools
 T_LONG = 150  # crosses the KDA chunk boundaries at 64 and 128; 37 pools >> 2 selected
-GEN_LEN = 53  # the cache length of the generation tests (20 prompt tokens + 32 new + 1)
+GEN_LEN = 54  # the cache length of the generation tests (20 prompt tokens + 32 new + 2: `offline.engine_for`)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2,))
+def _forward(graphdef, state, cache, tokens):
+    m = nnx.merge(graphdef, state)
+    h, cache = m.hidden(tokens, cache=cache)
+    return h, m.logits(h), cache
+
+
+class Steps:
+    """The model's forward over a cache (jitted: one program per shape, the cache donated): the subject of the
+    cache identities below (glm53.model), with the model's own `init_cache`."""
+
+    def __init__(self, model):
+        self.model = model
+        self.graphdef, self.state = nnx.split(model)
+
+    def init_cache(self, batch: int, max_len: int):
+        return self.model.init_cache(batch, max_len)
+
+    def forward(self, cache, tokens_bt):
+        """(hidden, logits [B, T, V], cache) after T more tokens of every stream."""
+        return _forward(self.graphdef, self.state, cache, jnp.asarray(tokens_bt, jnp.int32))
+
+    def prefill(self, cache, tokens_t, stream: int):
+        """Feeds a prompt to one stream of `cache` (its rows taken, fed, written back: glm53.runtime.cache)."""
+        sub = map_rows(lambda a, axis: jax.lax.slice_in_dim(a, stream, stream + 1, axis=axis), cache)
+        _, _, sub = self.forward(sub, np.asarray(tokens_t)[None])
+        put = lambda a, s, axis: a.at[(slice(None),) * axis + (slice(stream, stream + 1),)].set(s)  # noqa: E731
+        return map_rows(put, cache, sub)
 
 
 def rel(a, b) -> float:
@@ -30,9 +67,9 @@ def pair(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"hf{seed}")
     hf.save_pretrained(folder)
     cfg, model = hf_ckpt.load_hf_model(folder, dtype=np.float32, with_mtp=False)
-    gen = generate.Generator(model, prefill_chunk=64)
     ids = np.random.default_rng(100 + seed).integers(0, CFG.vocab_size, size=(1, T_LONG))
-    return dict(hf=hf, folder=folder, cfg=cfg, gen=gen, ids=ids, ref=hf_logits(hf, ids).numpy()[0])
+    return dict(hf=hf, folder=folder, cfg=cfg, model=model, gen=Steps(model), ids=ids,
+                ref=hf_logits(hf, ids).numpy()[0])  # fmt: skip
 
 
 # Every cache below holds T_LONG positions (and generation runs share one length), so that tests of one seed share
@@ -60,7 +97,7 @@ def test_dense_attention_does_not_match(pair):
     """Loading the same weights with an index_topk that keeps every pool must NOT reproduce the sparse logits."""
     dense_cfg = pair["cfg"].replace(index_topk=4 * T_LONG)
     model, _ = hf_ckpt.load_hf_checkpoint(pair["folder"], dense_cfg, dtype=np.float32, with_mtp=False)
-    dense = one_shot(generate.Generator(model), pair["ids"])[0]
+    dense = one_shot(Steps(model), pair["ids"])[0]
     r = rel(dense, pair["ref"])
     print(f"dense attention vs sparse reference rel {r:.2e}")
     assert r > 1e-2
@@ -100,8 +137,8 @@ def test_streams_at_different_positions_equal_each_alone(pair):
     gen, ids = pair["gen"], pair["ids"]
     p0, p1 = ids[0, :145], ids[0, 40:135]  # + 5 steps: one-shot lengths 150 and 100, compiled by earlier tests
     cache = gen.init_cache(2, T_LONG)
-    _, _, cache = gen.prefill(cache, p0, stream=0)
-    _, _, cache = gen.prefill(cache, p1, stream=1)
+    cache = gen.prefill(cache, p0, stream=0)
+    cache = gen.prefill(cache, p1, stream=1)
     assert list(np.asarray(cache.length)) == [145, 95]
     steps = ids[0, 135:140]
     outs = []
@@ -115,8 +152,15 @@ def test_streams_at_different_positions_equal_each_alone(pair):
     assert rel(outs[1], alone1) <= 1e-5
 
 
+def _engine(pair):
+    """A one-slot serving engine for GEN_LEN positions (glm53.serving.offline): the generation tests share it."""
+    if "engine" not in pair:
+        pair["engine"] = offline.engine_for(pair["model"], [[0] * 20], GEN_LEN - 22)
+    return pair["engine"]
+
+
 def test_greedy_generation_matches_transformers_generate(pair):
-    hf, gen = pair["hf"], pair["gen"]
+    hf, eng = pair["hf"], _engine(pair)
     prompt = pair["ids"][0, :20]
     hf.generation_config.eos_token_id = None  # no early stop: compare all 32 tokens
     with torch.no_grad():
@@ -125,16 +169,16 @@ def test_greedy_generation_matches_transformers_generate(pair):
             x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False, pad_token_id=0
         )
     ref = out[0, len(prompt) :].tolist()
-    res = gen.generate([list(prompt)], generate.SamplingParams(max_new=32), max_len=GEN_LEN)
+    res = offline.generate(eng, [[int(t) for t in prompt]], SamplingParams(max_new=32))
     print("greedy:", res.tokens[0])
     assert len(ref) == 32 and res.tokens[0] == ref
 
 
 @SEED0
 def test_eos_stops_generation(pair):
-    gen = pair["gen"]
-    prompt = list(pair["ids"][0, :20])
-    free = gen.generate([prompt], generate.SamplingParams(max_new=12), max_len=GEN_LEN).tokens[0]
+    eng = _engine(pair)
+    prompt = [int(t) for t in pair["ids"][0, :20]]
+    free = offline.generate(eng, [prompt], SamplingParams(max_new=12)).tokens[0]
     eos = free[5]
-    stopped = gen.generate([prompt], generate.SamplingParams(max_new=12, eos_ids=(eos,)), max_len=GEN_LEN).tokens[0]
+    stopped = offline.generate(eng, [prompt], SamplingParams(max_new=12, eos_ids=(eos,))).tokens[0]
     assert stopped == free[: free.index(eos) + 1]

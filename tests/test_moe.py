@@ -252,7 +252,7 @@ def test_moe_experts_vs_f64_loop(expert_case):
                  "xla_cpu_prefill"):  # fmt: skip
         fn = jax.jit(lambda *a, impl=impl: api.moe_experts(*a, LIMIT, implementation=impl))
         got[impl] = fn(f(x), jnp.asarray(ids), f(w), f(wg), f(wu), f(wd))
-    # the CPU decode form on separate expert arrays (kernels/moe/expert_list.py, what Generator decodes with)
+    # the CPU decode form on separate expert arrays (kernels/moe/expert_list.py, what the engine decodes with)
     split = [expert_list.split_experts(f(a)) for a in (wg, wu, wd)]
     fn = jax.jit(lambda *a: api.moe_experts(*a, LIMIT, implementation="xla_cpu_decode"))
     got["xla_cpu_decode(ExpertList)"] = fn(f(x), jnp.asarray(ids), f(w), *split)

@@ -1,5 +1,5 @@
 """Dense routed experts as separate arrays for CPU decode: kernels/moe/expert_list.py, the xla_cpu decode form on
-them, Experts' fallback to the stacked kernels, and `glm53.generate.decode_state` (views, no copy).
+them, Experts' fallback to the stacked kernels, and `glm53.runtime.weights.decode_state` (views, no copy).
 
 References: the stacked kernels through the same decode form (equal values), the reference implementation, and
 f64 numpy (tests/test_moe.py runs the decode form on an ExpertList against its f64 loop too).
@@ -13,10 +13,10 @@ from flax import nnx
 from test_moe import _np_moe  # the f64 loop over (token, slot) the shared MoE tests use
 
 from configs import tiny
-from glm53 import generate
-from glm53.config import QuantConfig, model_config_from_dict
+from glm53.config import model_config_from_dict
 from glm53.layers.moe import Experts
 from glm53.model import Glm53Model
+from glm53.runtime import weights
 from glm53.train.step import FAST_COMPILE
 from kernels.matmul import cpu_ffi as matmul_ffi
 from kernels.moe import api, expert_list
@@ -56,7 +56,7 @@ def test_decode_form_on_expert_list(case):
     yb = fn(b(x), jnp.asarray(ids), f(w), *split)
     yr = api.moe_experts(b(x), jnp.asarray(ids), f(w), *stacked, LIMIT, implementation="xla_cpu_decode")
     assert yb.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(yb, np.float32), np.asarray(yr, np.float32), rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(np.asarray(yb, np.float32), np.asarray(yr, np.float32))  # the same ops
 
 
 def test_split_shares_memory_and_validates():
@@ -97,36 +97,38 @@ def test_experts_module_falls_back_to_stacked(case, implementation):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
-def test_generator_decodes_with_split_experts(monkeypatch):
-    """Without the row-matmul kernel (GLM53_MATMUL_FFI=0; tests/test_matmul_ffi_cpu.py covers it on) Generator's
-    one-token steps run on `decode_state` with ExpertLists for the xla_cpu layers, views of the same buffers; its
-    greedy tokens and logits equal those of the stacked state; a reference-MoE model keeps its state."""
+def test_decode_state_splits_experts(monkeypatch):
+    """Without the row-matmul kernel (GLM53_MATMUL_FFI=0; tests/test_matmul_ffi_cpu.py covers it on) the decode
+    programs' state (`decode_state`, glm53.runtime.weights) holds ExpertLists for the xla_cpu layers, views of the
+    same buffers; one-token steps on it give the greedy tokens and logits of the stacked state; a reference-MoE
+    model keeps its state."""
     monkeypatch.setenv(matmul_ffi.ENV, "0")
     cfg = model_config_from_dict(tiny.model_config("default"))
-    model = Glm53Model(cfg, rngs=nnx.Rngs(3), with_mtp=False, quant=QuantConfig(experts="none", moe_impl="auto"))
-    g = generate.Generator(model, compiler_options=FAST_COMPILE)  # cheapest compile (tests' train step option)
-    lists = [x for x in jax.tree.leaves(g.decode_state, is_leaf=lambda x: isinstance(x, ExpertList))
+    model = Glm53Model(cfg, rngs=nnx.Rngs(3), with_mtp=False, kernels={"moe": "auto"})
+    gd, state = nnx.split(model)
+    split_state = weights.decode_state(model, state)
+    lists = [x for x in jax.tree.leaves(split_state, is_leaf=lambda x: isinstance(x, ExpertList))
              if isinstance(x, ExpertList)]  # fmt: skip
     n_moe = sum(k == "moe" for k in cfg.mlp_layer_types)
     assert n_moe > 0 and len(lists) == 3 * n_moe
-    stacked = {a.unsafe_buffer_pointer() for a in jax.tree.leaves(g.state) if a.ndim == 3}
+    stacked = {a.unsafe_buffer_pointer() for a in jax.tree.leaves(state) if a.ndim == 3}
     assert all(x.parts[0].unsafe_buffer_pointer() in stacked for x in lists)  # views, not copies
 
-    def run(state):
-        g.decode_state = state
-        cache = g.init_cache(1, 16)
-        _, lg, cache = g.prefill(cache, [5, 9, 2, 7])
-        tok, out = np.array([int(jnp.argmax(lg[0]))], np.int32), []
+    # cheapest compile (tests' train step option)
+    step = jax.jit(lambda st, c, tok: nnx.merge(gd, st)(tok, cache=c), compiler_options=FAST_COMPILE)
+
+    def run(dstate):
+        logits, cache = step(state, model.init_cache(1, 16), jnp.asarray([[5, 9, 2, 7]], jnp.int32))  # prefill
+        tok, out = np.array([int(jnp.argmax(logits[0, -1]))], np.int32), []
         for _ in range(3):
-            _, logits, cache = g.forward(cache, tok[:, None])
+            logits, cache = step(dstate, cache, jnp.asarray(tok[:, None]))
             out.append(np.asarray(logits[:, -1]))
             tok = out[-1].argmax(-1).astype(np.int32)
         return np.stack(out)
 
-    split_state = g.decode_state
-    a, b = run(split_state), run(g.state)
+    a, b = run(split_state), run(state)
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     assert (a.argmax(-1) == b.argmax(-1)).all()
-    ref = Glm53Model(cfg, rngs=nnx.Rngs(3), with_mtp=False, quant=QuantConfig(experts="none", moe_impl="reference"))
+    ref = Glm53Model(cfg, rngs=nnx.Rngs(3), with_mtp=False, kernels={"moe": "reference"})
     ref_state = nnx.split(ref)[1]
-    assert generate.decode_state(ref, ref_state) is ref_state  # the reference MoE reads stacked kernels
+    assert weights.decode_state(ref, ref_state) is ref_state  # the reference MoE reads stacked kernels

@@ -16,19 +16,15 @@ from gguf import quants as gq
 from gguf.constants import GGMLQuantizationType
 from test_moe_quant import moe_f64, random_gguf, rel_err
 
+from glm53.quant import registry
 from glm53.quant.qweight import QuantizedExperts
 from kernels import ffi_build
 from kernels.moe import api, cpu_ffi, xla_cpu
 
 LIMIT = 2.0
-CASES = [  # (GGUF format, layout): every format x layout the kernel decodes
-    ("IQ2_S", "planes"),
-    ("IQ2_S", "reencoded"),
-    ("IQ3_S", "planes"),
-    ("IQ3_S", "reencoded"),
-    ("IQ4_XS", "planes"),
-    ("Q8_0", "planes"),
-    ("Q4_K", "planes"),
+CASES = [  # (GGUF format, layout): every format x layout the kernel decodes (from the registry)
+    (registry.entry(f).source or f, "planes" if registry.entry(f).gguf else "reencoded")
+    for f in registry.formats_for("cpu_ffi")
 ]
 
 
@@ -60,7 +56,7 @@ def _check_matvec(y, w, x, ids):
 
 @pytest.mark.parametrize("fmt,layout", CASES)
 def test_matvec_vs_gguf_f64(fmt, layout):
-    """Per format: 40 rows (two 16-row tiles and 8 rows one at a time), T = 3 tokens, shared and per-expert x,
+    """Per format (tests/test_expert_formats.py runs the shared body on this kernel too): 40 rows (two 16-row tiles and 8 rows one at a time), T = 3 tokens, shared and per-expert x,
     repeated and out-of-range ids, one thread and two."""
     rng = np.random.default_rng(CASES.index((fmt, layout)))
     q, w = _matvec_case(fmt, layout, rng)

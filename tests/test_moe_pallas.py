@@ -22,6 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from glm53.quant import planes as P
 from glm53.quant import reencode as R
+from glm53.quant import registry
 from glm53.quant.formats import get_format
 from glm53.quant.qweight import QuantizedExperts
 from glm53.testing import tpu
@@ -184,29 +185,8 @@ def _assert_close(y, want, rtol=1e-5):
     assert err <= rtol * np.abs(want).max(), (err, np.abs(want).max())
 
 
-# ------------------------------------------------------------------------------------------ decode math (XLA)
-
-
-@pytest.mark.parametrize(
-    "fmt, block_splits",
-    [(f, 1) for f in ("IQ4_XS", "Q4_K", "IQ2_S_R", "IQ3_S_R", "IQ2_S", "IQ3_S", "F32", "F16", "BF16")]
-    + [("IQ4_XS", 2), ("Q4_K", 2), ("IQ3_S", 2), ("BF16", 2)],
-)
-def test_decode_math_bit_exact_vs_gguf(fmt, block_splits):
-    """pallas_common.decode_matrix (the kernels' decode, as plain jnp) == gguf-py's dequantize, bit for bit,
-    once rows are put back in input order; permute_inputs is the same permutation."""
-    rng = np.random.default_rng(7)
-    cols = (256 if get_format(_gguf_name(fmt)).block_size == 256 else 32) * block_splits
-    planes, w = make_matrix(fmt, 1, 128, cols, rng, block_splits)
-    one = {k: jnp.asarray(v[0]) for k, v in planes.fields.items()}
-    dec = np.asarray(C.decode_matrix(planes.fmt, cols, block_splits, one))  # eager: no compile of a big body
-    order = C.input_order(planes.fmt, cols)
-    assert sorted(order.tolist()) == list(range(cols))
-    got = np.empty_like(dec)
-    got[order] = dec  # [cols, rows] = W^T
-    np.testing.assert_array_equal(got.T.view(np.uint32), w[0].astype(np.float32).view(np.uint32))
-    x = rng.standard_normal((3, cols)).astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(C.permute_inputs(jnp.asarray(x), planes.fmt, cols)), x[:, order])
+# The kernels' decode math (pallas_common.decode_matrix) against gguf-py, every format, 1 and 2 block groups:
+# tests/test_expert_formats.py (TestPallasTpu).
 
 
 # -------------------------------------------------------------------------------------------- kernels vs f64
@@ -407,7 +387,10 @@ def test_compiles_for_tpu_and_counts_gathers(topology, path, name, dtype):
 # ------------------------------------------------------------------------------------------- unsupported
 
 
-@pytest.mark.parametrize("fmt, rows", [("Q6_K", 256), ("IQ3_XXS", 256), ("IQ2_S", 64)])
+@pytest.mark.parametrize(
+    "fmt, rows",
+    [(f, 256) for f in registry.gguf_formats() if f not in registry.formats_for("pallas_tpu")] + [("IQ2_S", 64)],
+)
 def test_unsupported_raise_not_implemented(fmt, rows):
     """Formats without a kernel decoder, or a codebook lookup on under 128 lanes -> NotImplementedError."""
     c = case_data("ud_mix_T1")

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from expert_blocks import f16_scales
 from flax import nnx
 from gguf import quants as gq
 from gguf.constants import GGMLQuantizationType
@@ -31,8 +32,8 @@ GGUF_SHAPES = {"gate": (E, F, D), "up": (E, F, D), "down": (E, D, F)}  # [E, row
 
 
 def random_gguf(name: str, shape, rng) -> np.ndarray:
-    """Random valid GGUF bytes of `shape` [E, rows, cols]: random bytes with small finite f16 scales (d, dmin);
-    float formats get N(0, 0.05^2) values."""
+    """Random valid GGUF bytes of `shape` [E, rows, cols]: random bytes with small finite f16 scales (d, dmin) of
+    both signs, a quarter of them subnormal (tests/expert_blocks.py); float formats get N(0, 0.05^2) values."""
     f = get_format(name)
     n_blocks = int(np.prod(shape)) // f.block_size
     if name in ("F32", "F16", "BF16"):
@@ -46,8 +47,8 @@ def random_gguf(name: str, shape, rng) -> np.ndarray:
     scale = {"Q8_0": 1e-3, "Q4_0": 5e-3}.get(name, 2e-4 if name.startswith("Q") else 2e-3)
     for fd in f.fields:
         if fd.name in ("d", "dmin"):
-            d = rng.uniform(0.5, 1.5, n_blocks) * scale
-            raw[:, fd.offset : fd.offset + 2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+            d = f16_scales(n_blocks, rng, scale).astype("<f2")
+            raw[:, fd.offset : fd.offset + 2] = d.view(np.uint8).reshape(-1, 2)
     return raw.reshape(-1)
 
 
@@ -201,14 +202,9 @@ def test_prefill_dequantizes_each_routed_expert_once(mix_weights, monkeypatch):
     assert got == sorted(3 * sorted(set(ids.ravel().tolist())))
 
 
-@pytest.mark.parametrize("form", ("decode", "prefill"))
-def test_xla_cpu_dequantizes_each_routed_expert_once(mix_weights, monkeypatch, form):
-    """xla_cpu dequantizes the distinct routed experts in chunks of `chunk_experts`: ceil(U / chunk) chunks
-    per matrix, holding every distinct expert once (the last chunk padded)."""
-    qs, _ = mix_weights
-    ws = qs["planes"]
-    x, ids, w = routing(20, np.random.default_rng(8), pool=9)  # 80 slots, 9 distinct experts
-    distinct = sorted(set(ids.ravel().tolist()))
+def counted_chunks(monkeypatch) -> list:
+    """The expert ids of every chunk xla_cpu dequantizes from now on (appended as the program runs), on the XLA
+    path (the C++ kernel dequantizes nothing)."""
     seen = []
     orig = xla_cpu.dequantize_chunk
 
@@ -217,7 +213,19 @@ def test_xla_cpu_dequantizes_each_routed_expert_once(mix_weights, monkeypatch, f
         return orig(q, chunk_ids, dtype)
 
     monkeypatch.setattr(xla_cpu, "dequantize_chunk", counting)
-    monkeypatch.setenv("GLM53_MOE_FFI", "0")  # the XLA path (the C++ kernel dequantizes nothing)
+    monkeypatch.setenv("GLM53_MOE_FFI", "0")
+    return seen
+
+
+@pytest.mark.parametrize("form", ("decode", "prefill"))
+def test_xla_cpu_dequantizes_each_routed_expert_once(mix_weights, monkeypatch, form):
+    """xla_cpu dequantizes the distinct routed experts in chunks of `chunk_experts`: ceil(U / chunk) chunks
+    per matrix, holding every distinct expert once (the last chunk padded)."""
+    qs, _ = mix_weights
+    ws = qs["planes"]
+    x, ids, w = routing(20, np.random.default_rng(8), pool=9)  # 80 slots, 9 distinct experts
+    distinct = sorted(set(ids.ravel().tolist()))
+    seen = counted_chunks(monkeypatch)
     fn = getattr(xla_cpu, f"moe_experts_{form}")
     y = jax.jit(lambda *a: fn(*a, LIMIT, chunk_experts=4))(x, ids, w, ws["gate"], ws["up"], ws["down"])
     jax.block_until_ready(y)
@@ -379,7 +387,7 @@ def _tiny_quant_config(experts: str, moe_impl: str):
     c.model.mlp_layer_types = ["dense"] + ["moe"] * (n - 1)
     c.model.indexer_types = ["full"] * n
     c.quant.experts = experts  # the format is a config flag
-    c.quant.moe_impl = moe_impl
+    c.kernels.moe = moe_impl
     c.quant.decode_max_slots = 16
     return c
 
@@ -473,15 +481,7 @@ def test_xla_cpu_decode_dequantizes_one_routed_expert_at_a_time(mix_weights, mon
     ws = qs["reencoded"]
     x, ids, w = routing(3, np.random.default_rng(9), pool=5)
     distinct = sorted(set(ids.ravel().tolist()))
-    seen = []
-    orig = xla_cpu.dequantize_chunk
-
-    def counting(q, chunk_ids, dtype):
-        jax.debug.callback(lambda i: seen.append(np.asarray(i).copy()), chunk_ids)
-        return orig(q, chunk_ids, dtype)
-
-    monkeypatch.setattr(xla_cpu, "dequantize_chunk", counting)
-    monkeypatch.setenv("GLM53_MOE_FFI", "0")  # the XLA path (the C++ kernel dequantizes nothing)
+    seen = counted_chunks(monkeypatch)
     args = (x, ids, w, ws["gate"], ws["up"], ws["down"])
     y = jax.block_until_ready(jax.jit(lambda *a: xla_cpu.moe_experts_decode(*a, LIMIT))(*args))
     assert xla_cpu.DEFAULT_DECODE_CHUNK_EXPERTS == 1

@@ -12,7 +12,6 @@ from gguf.constants import GGMLQuantizationType
 
 from configs import glm53_flash, tiny
 from glm53.config import (
-    MOE_IMPLEMENTATIONS,
     ConfigError,
     QuantConfig,
     model_config_from_dict,
@@ -24,7 +23,6 @@ from glm53.quant.formats import GGUF_FORMATS
 from glm53.quant.layout import layout_format
 from glm53.quant.mixes import RELEASE_MOE_LAYERS, UD_IQ3_XXS, parse_mix, ud_iq3_xxs_mix
 from glm53.quant.qweight import QuantizedExperts, expert_formats
-from kernels.moe import api
 
 REENCODABLE = ("IQ2_S", "IQ3_S")
 _deq = jax.jit(lambda q: q.dequantize())
@@ -230,7 +228,7 @@ def test_quant_config_parsing_and_errors():
         ({"experts": "gate=IQ2_S,gate=IQ3_S,up=Q4_K,down=Q4_K"}, "twice"),
         ({"experts": "gate=IQ2_S,up=Q4_K,down=nope"}, "quant.experts.down"),
         ({"layout": "packed"}, "quant.layout"),
-        ({"moe_impl": "fast"}, "quant.moe_impl"),
+        ({"moe_impl": "reference"}, "quant.moe_impl': the expert kernel moved .* kernels.moe='reference'"),
         ({"decode_max_slots": -1}, "quant.decode_max_slots"),
         ({"experts": "none", "bits": 3}, "unknown keys"),
     ]
@@ -241,9 +239,9 @@ def test_quant_config_parsing_and_errors():
 
 def test_config_files_have_a_quant_section():
     t = quant_config_from_dict(tiny.get_config("gguf").quant)
-    assert t == QuantConfig(experts="none", layout="planes", moe_impl="reference", decode_max_slots=64)
+    assert t == QuantConfig(experts="none", layout="planes", decode_max_slots=64)
     r = quant_config_from_dict(glm53_flash.get_config().quant)
-    assert r.experts == "ud_iq3_xxs" and r.moe_impl == "auto" and r.decode_max_slots == 512
+    assert r.experts == "ud_iq3_xxs" and r.decode_max_slots == 512
     # a locked ConfigDict takes the format as a flag-style override
     c = ml_collections.ConfigDict(tiny.get_config("gguf").to_dict())
     c.lock()
@@ -251,7 +249,3 @@ def test_config_files_have_a_quant_section():
     assert quant_config_from_dict(c.quant).experts[2] == ("down", "Q6_K")
     with pytest.raises(AttributeError):
         c.quant.bits = 3
-
-
-def test_moe_implementations_match_the_api():
-    assert set(MOE_IMPLEMENTATIONS) == set(api.IMPLEMENTATIONS)

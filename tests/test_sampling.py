@@ -1,4 +1,4 @@
-"""glm53.sampling against transformers' logits warpers (f64 torch) and an f64 numpy reference."""
+"""glm53.runtime.sampling against transformers' logits warpers (f64 torch) and an f64 numpy reference."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from glm53.sampling import filtered_logits, filtered_logprobs, sample
+from glm53.runtime.sampling import filtered_logits, filtered_logprobs, sample
 
 # (temperature, top_p, top_k) per stream; no ties in the logits and no cumulative mass near a p boundary.
 PARAMS = [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 5), (0.5, 0.8, 7), (2.0, 0.6, 3), (1.0, 0.95, 1)]

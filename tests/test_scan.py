@@ -252,10 +252,10 @@ def test_pallas_experts_read_the_stack_in_place(tokens):
     them the whole stack and offset expert ids (`StackedSlice.merged`), never a sliced copy (the step's jaxpr
     slices no expert plane); prefill takes the slice. Logits equal the unrolled model's either way."""
     n = 6  # dense 0-1, then 4 identical KDA + MoE layers: one scan of 4
-    quant = QuantConfig(experts="IQ4_XS", moe_impl="pallas_tpu", decode_max_slots=8)
+    quant = QuantConfig(experts="IQ4_XS", decode_max_slots=8)
     cfg = scan_cfg("gguf", scan=False, num_hidden_layers=n, layer_types=["kda"] * n,
                    mlp_layer_types=["dense"] * 2 + ["moe"] * (n - 2), indexer_types=["full"] * n)  # fmt: skip
-    ref = Glm53Model(cfg, rngs=nnx.Rngs(0), quant=quant, with_mtp=False)
+    ref = Glm53Model(cfg, rngs=nnx.Rngs(0), quant=quant, kernels={"moe": "pallas_tpu"}, with_mtp=False)
     scanned = nnx.clone(ref)
     scanned.set_scan_layers(True)
     assert [(g.first, g.period, g.repeats) for g in scanned.groups] == [(0, 1, 2), (2, 1, 4)]

@@ -22,13 +22,14 @@ from configs import tiny
 from glm53 import build
 from glm53 import parallel as S
 from glm53.config import model_config_from_dict
-from glm53.generate import Generator, SamplingParams, _put_stream, _slice_stream, decode_state
 from glm53.layers.dsa import DSACache
 from glm53.layers.kda import KDACache
 from glm53.layers.moe import Experts
 from glm53.layers.stack import LayerStack
 from glm53.memory import caches as memory_caches
 from glm53.model import layer_cache
+from glm53.runtime.cache import map_rows
+from glm53.runtime.weights import decode_state
 from glm53.serving import engine as E
 
 FAST = {"xla_backend_optimization_level": 0}
@@ -149,17 +150,10 @@ def test_speculative_engine_equals_unrolled(model, ref):
                                np.asarray(ref_eng.cache.mtp.latent[0, :rows - 1]), rtol=1e-4, atol=1e-5)  # fmt: skip
 
 
-def test_generator_equals_unrolled(model, ref):
-    """glm53.generate on the scanned model: greedy generation, and speculative generation (its rejected steps
-    restore a copy of the stacked cache), give the unrolled engine's tokens; `decode_state` leaves stacked
-    experts as they are."""
-    _, want, _ = ref
+def test_decode_state_leaves_stacked_experts(model):
+    """`decode_state` (glm53.runtime.weights) on the scanned model wraps a plain layer's experts and leaves a
+    LayerStack's stacked (the engine's decode programs read it: the tests above)."""
     m = _scanned(model)
-    gen = Generator(m, prefill_chunk=8, compiler_options=FAST)
-    p, n = PROMPTS[1], MAX_NEW[1]
-    assert gen.generate([p], SamplingParams(max_new=n), max_len=16).tokens == [want[1]]
-    res = gen.generate_speculative(p, n, max_len=16)  # the same cache shape: init, prefill and decode shared
-    assert res.tokens == [want[1]] and res.drafted > 0
     # xla_cpu decode experts: a plain layer's are wrapped (views per expert), a LayerStack's stay stacked.
     experts = [(path, e) for path, e in nnx.iter_graph(m) if isinstance(e, Experts)]
     saved = [e.implementation for _, e in experts]
@@ -175,8 +169,16 @@ def test_generator_equals_unrolled(model, ref):
         assert wrapped == ("period" not in path), path
 
 
+def _slice_stream(cache, b):
+    return map_rows(lambda a, axis: jax.lax.slice_in_dim(a, b, b + 1, axis=axis), cache)
+
+
+def _put_stream(cache, b, sub):
+    return map_rows(lambda a, s, axis: a.at[(slice(None),) * axis + (slice(b, b + 1),)].set(s), cache, sub)
+
+
 def test_stream_rows_of_a_stacked_cache(model):
-    """`_slice_stream` / `_put_stream` (glm53.generate.map_rows) take and write one stream's rows of every layer,
+    """`_slice_stream` / `_put_stream` (glm53.runtime.cache.map_rows) take and write one stream's rows of every layer,
     stacked or not: each layer's cache (`layer_cache`) sliced as its own."""
     m = _scanned(model)
     cache = jax.tree.map(lambda a: jnp.asarray(np.random.default_rng(1).standard_normal(a.shape), a.dtype),

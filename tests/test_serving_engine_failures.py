@@ -170,14 +170,14 @@ def test_a_failed_prefill_ends_only_its_group(setup, caplog):
     """The prefill program raising for a marked prompt ends that prefill group's requests (the generic error, the
     exception logged once with their ids); the request decoding meanwhile completes."""
     eng, ref, *_ = setup
-    n0, ev, real = eng.compiled_programs(), Events(), eng._prefill
+    n0, ev, real = eng.compiled_programs(), Events(), eng.programs.fns["prefill",]
 
     def prefill(state, staging, tokens, h):
         if np.any(np.asarray(tokens) == MARK):
             raise RuntimeError(f"{SECRET}: {np.asarray(tokens).tolist()}")
         return real(state, staging, tokens, h)
 
-    eng._prefill = prefill
+    eng.programs.fns["prefill",] = prefill
     try:
         with caplog.at_level(logging.ERROR, logger="glm53.serving"):
             victim = eng.submit(E.Request(PROMPTS[1], max_tokens=8), ev)  # chunks 8, 1, 1, 1: its own group
@@ -186,7 +186,7 @@ def test_a_failed_prefill_ends_only_its_group(setup, caplog):
             partner = eng.submit(E.Request([7, 8, 9], max_tokens=8), ev)  # ... with this one
             eng.run_until_idle()
     finally:
-        eng._prefill = real
+        eng.programs.fns["prefill",] = real
     assert ev.tokens(victim) == ref[1] and ev.end(victim).finish_reason == "length"
     for rid in (attacker, partner):
         assert ev.end(rid).finish_reason == "error" and not ev.tokens(rid)
@@ -205,7 +205,8 @@ def test_a_failed_shared_step_ends_every_running_request_and_the_engine_recovers
     cache is rebuilt and the same requests then give the same greedy tokens; a request still waiting runs."""
     eng, ref, _, long = setup
     n0, ev = eng.compiled_programs(), Events()
-    real = dict(eng._decodes) if program == "decode" else eng._insert
+    fns = eng.programs.fns
+    real = {k: f for k, f in fns.items() if k[0] == program}
 
     def wrap(fn):
         def raising(*args):
@@ -215,10 +216,7 @@ def test_a_failed_shared_step_ends_every_running_request_and_the_engine_recovers
 
         return raising
 
-    if program == "decode":
-        eng._decodes = {b: wrap(f) for b, f in real.items()}
-    else:
-        eng._insert = wrap(real)
+    fns.update({k: wrap(f) for k, f in real.items()})
     try:
         with caplog.at_level(logging.ERROR, logger="glm53.serving"):
             victims = [eng.submit(E.Request(p, max_tokens=25), ev) for p in PROMPTS[1:]]  # 2 groups (plans differ)
@@ -228,10 +226,7 @@ def test_a_failed_shared_step_ends_every_running_request_and_the_engine_recovers
             waiting = [eng.submit(E.Request(PROMPTS[0], max_tokens=8), ev) for _ in range(2)]
             eng.run_until_idle()
     finally:
-        if program == "decode":
-            eng._decodes = real
-        else:
-            eng._insert = real
+        fns.update(real)
     for rid, r in zip(victims, long[1:]):
         got = ev.tokens(rid)
         assert ev.end(rid).finish_reason == "error" and got == r[: len(got)] and len(got) < 25

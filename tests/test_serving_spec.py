@@ -1,4 +1,4 @@
-"""MTP speculative decoding in the serving engine's batched step (glm53.serving.speculative), tiny random model.
+"""MTP speculative decoding in the serving engine's batched step (glm53.runtime.speculative), tiny random model.
 
 Reference: one cache-free forward of the final sequence (prompt + output, the trunk then the MTP block over every
 pair (h_p, token p+1)), a different program from the engine's cached steps. From it: each greedy output token is
@@ -18,8 +18,9 @@ from flax import nnx
 from serving_helpers import run_staggered
 
 from configs import tiny
-from glm53 import build, sampling
+from glm53 import build
 from glm53.config import model_config_from_dict
+from glm53.runtime import sampling
 from glm53.serving import engine as E
 
 FAST = {"xla_backend_optimization_level": 0}

@@ -281,7 +281,7 @@ def test_sharded_prefill_and_decode_equal_unsharded(ref, rules, shape, path, no_
 def test_one_all_reduce_per_moe_layer(rules, path, no_fallback):
     """The routed experts' and the shared expert's partial sums share ONE all-reduce of [T, D]."""
     quant = (
-        None if path == "reference" else QuantConfig(experts="F32", moe_impl="pallas_tpu", decode_max_slots=8)
+        None if path == "reference" else QuantConfig(experts="F32", decode_max_slots=8)
     )
     impl = "reference" if quant is None else "pallas_tpu"
     moe = MoE(CFG, rngs=nnx.Rngs(1), quant=quant, implementation=impl, layer_idx=3)
@@ -360,7 +360,7 @@ def test_block_quantized_experts_sharded_equal_unsharded(rules, no_fallback):
     on the block-split planes of each device, against the unsharded reference path."""
     e, d, f = 8, 256, 2048
     cfg = CFG.replace(hidden_size=d, moe_intermediate_size=f, n_routed_experts=e)
-    quant = QuantConfig(experts="gate=Q4_K,up=Q4_K,down=IQ4_XS", moe_impl="pallas_tpu", decode_max_slots=8)
+    quant = QuantConfig(experts="gate=Q4_K,up=Q4_K,down=IQ4_XS", decode_max_slots=8)
     moe = MoE(cfg, rngs=nnx.Rngs(4), quant=quant, implementation="pallas_tpu", layer_idx=3)
     oracle = nnx.merge(*nnx.split(moe))
     oracle.experts.implementation = "reference"

@@ -110,13 +110,13 @@ def test_release_width_model_decode_compiles_for_v5e_8():
         indexer_types=["full"] * 2,
     )
     cfg = model_config_from_dict(d)
-    quant = QuantConfig(experts="ud_iq3_xxs", layout="planes", moe_impl="pallas_tpu")
+    quant = QuantConfig(experts="ud_iq3_xxs", layout="planes")
     mesh = tpu.topology_mesh("v5e:2x4", (1, 8), ("data", "model"))
 
     def build():
         with nnx.var_defaults(ref=True):  # the RNG counter as a Ref: fast abstract init
             rngs = nnx.Rngs(0)
-        return Glm53Model(cfg, rngs=rngs, dtype=jnp.bfloat16, quant=quant, with_mtp=False)
+        return Glm53Model(cfg, rngs=rngs, dtype=jnp.bfloat16, quant=quant, kernels={"moe": "pallas_tpu"}, with_mtp=False)
 
     model = S.abstract_sharded_model(build, mesh, "tp")
     formats = [

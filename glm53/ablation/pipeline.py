@@ -32,6 +32,7 @@ from glm53.checkpoint.gguf import decode_tensor, open_gguf_model
 from glm53.checkpoint.gguf_export import EXPERT_NAME, model_params, write_gguf
 from glm53.config import ModelConfig, QuantConfig
 from glm53.config.fields import field_error, from_dict
+from glm53.config.kernels import KernelConfig
 from glm53.data import bpe
 from glm53.data.corpus import find_sources
 from glm53.data.prepare import DataConfig
@@ -60,7 +61,7 @@ class AblateConfig:
     imatrix_split: str = "validation"
     imatrix_chunks: int = 16
     layout: str = "planes"
-    moe_impl: str = "auto"
+    kernels: KernelConfig = KernelConfig()
     llama_cpp: bool = True
     threads: int = 0
 
@@ -73,11 +74,11 @@ class AblateConfig:
             raise field_error(
                 "config.n_ctx", f"must be at least 4 (the second half is scored), got {self.n_ctx}"
             )
-        QuantConfig(layout=self.layout, moe_impl=self.moe_impl)  # checks both names
+        QuantConfig(layout=self.layout)  # checks the name
 
 
 def ablate_config(d) -> AblateConfig:
-    return from_dict(AblateConfig, d, "ablate config")
+    return from_dict(AblateConfig, d, "ablate config", nested={"kernels": KernelConfig})
 
 
 # ------------------------------------------------------------------------------------------------ inputs
@@ -302,7 +303,9 @@ def _base_logits(c, out, cfg, params, base_model, chunks) -> tuple[np.ndarray, n
 
 def _sweep(c, out, weights, cfg, chunks, todo: list[Variant], results: dict, log) -> None:
     t0 = time.time()
-    _, base_model = build.load_model(weights, dtype=jnp.float32, with_mtp=False)
+    # the base, the statistics' reference, runs the reference expert kernel (its other ops as the config says)
+    base_kernels = c.kernels.replace(moe="reference")
+    _, base_model = build.load_model(weights, dtype=jnp.float32, with_mtp=False, kernels=base_kernels)
     params = layer_params(base_model)
     base, base_ll = _base_logits(c, out, cfg, params, base_model, chunks)
     if base_ll is not None:
@@ -337,8 +340,8 @@ def _variant(c, out, cfg, params, chunks, v: Variant, base, base_ll, imp) -> dic
     write_gguf(path, cfg, params, dense_type=v.dense_type, experts=v.mix, imatrix=imp if v.imatrix else None)
     nbytes, nweights = expert_bytes(v, cfg)
     rel, rel_layers = weight_errors(path, params, cfg)
-    quant = QuantConfig(experts=v.mix, layout=c.layout, moe_impl=c.moe_impl)
-    _, model = build.load_model(path, dtype=jnp.float32, with_mtp=False, quant=quant)
+    quant = QuantConfig(experts=v.mix, layout=c.layout)
+    _, model = build.load_model(path, dtype=jnp.float32, with_mtp=False, quant=quant, kernels=c.kernels)
     if v.latent != "auto":  # +latent_*: a forward without a cache builds a fresh one of this layout, so scoring
         model.set_latent_cache_dtype(v.latent)  # attends over the stored latent
     int8 = int8_non_experts(model) if v.int8 else 0

@@ -37,7 +37,7 @@ from flax import nnx
 from glm53 import parallel as S
 from glm53.benchmarks import compiled_hlo, harness
 from glm53.benchmarks.compile_programs import Unit, device_bytes, programs
-from glm53.build import quant_from_experiment_config
+from glm53.build import kernels_from_experiment_config, quant_from_experiment_config
 from glm53.config import ModelConfig, mesh_config_from_dict, model_config_from_dict
 from glm53.layers.param import path_str
 from glm53.layers.stack import describe_groups
@@ -104,9 +104,11 @@ def _placement(placement: str | Placement | S.Rules) -> Placement:
     return get_placement(placement)
 
 
-def abstract_model(cfg: ModelConfig, quant, mesh, placement: str | Placement | S.Rules) -> Glm53Model:
+def abstract_model(
+    cfg: ModelConfig, quant, mesh, placement: str | Placement | S.Rules, kernels=None
+) -> Glm53Model:
     """The served model (no MTP block) as ShapeDtypeStructs on `mesh`, stored and placed as the module docstring
-    says (`placement`: a memory-budget placement, or a rule set for every tensor)."""
+    says (`placement`: a memory-budget placement, or a rule set for every tensor); `kernels`: as `Glm53Model`."""
     place = _placement(placement)
 
     def build():
@@ -114,7 +116,7 @@ def abstract_model(cfg: ModelConfig, quant, mesh, placement: str | Placement | S
             ref=True
         ):  # the RNG counter as a Ref: fast abstract init (glm53.memory.inventory)
             rngs = nnx.Rngs(0)
-        return Glm53Model(cfg, rngs=rngs, dtype=jnp.bfloat16, quant=quant, with_mtp=False)
+        return Glm53Model(cfg, rngs=rngs, dtype=jnp.bfloat16, quant=quant, kernels=kernels, with_mtp=False)
 
     graphdef, state = nnx.split(S.abstract_sharded_model(build, mesh, place.rules, moe_dispatch=False))
 
@@ -228,9 +230,9 @@ def run(
     if settings.compose == "kinds":  # one unit per layer kind: composed from unrolled layers
         cfg = cfg.replace(scan_layers=False)
     quant = quant_from_experiment_config(config)
-    quant = dataclasses.replace(
-        quant, experts=settings.experts, layout=settings.layout, moe_impl="pallas_tpu"
-    )
+    quant = dataclasses.replace(quant, experts=settings.experts, layout=settings.layout)
+    # compiled for TPU devices from any host: the experts run the Pallas TPU kernels whatever this backend is
+    kernels = kernels_from_experiment_config(config).replace(moe="pallas_tpu")
     mesh_cfg = mesh_config_from_dict(config.mesh)
     devices = tpu.topology_devices(settings.topology)
     mesh = tpu.topology_mesh(settings.topology, mesh_cfg.resolved_shape(len(devices)), mesh_cfg.axes)
@@ -238,7 +240,7 @@ def run(
     rules = place.rules
     S.check_config(cfg, mesh, rules)
     t0 = time.perf_counter()
-    model = abstract_model(cfg, quant, mesh, place)
+    model = abstract_model(cfg, quant, mesh, place, kernels)
     build_s = time.perf_counter() - t0
     progress(describe_groups(model.groups))
     model_by_class = weights_by_class(model)

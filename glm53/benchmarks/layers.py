@@ -11,7 +11,8 @@ program, the model's own `hidden` + `logits`) interleaved in rounds, so the rati
 
 The pieces' sum differs from the whole program: XLA fuses across the pieces inside the whole forward, and each
 piece pays a program launch. The shares say which piece to work on; the whole is what generation pays. Decode
-(T = 1) runs on `glm53.generate.decode_state` (dense routed experts as per-expert views), as `Generator` does.
+(T = 1) runs on `glm53.runtime.weights.decode_state` (dense routed experts as per-expert views), as the serving
+engine's decode programs do.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from glm53.benchmarks import harness
-from glm53.generate import decode_state
+from glm53.runtime.weights import decode_state
 
 PARTS = ("embed", "attn_hc", "attention", "attn_expand", "ffn_hc", "ffn", "ffn_expand", "head")
 
@@ -48,7 +49,7 @@ def forward_parts(model, tokens: np.ndarray, context: int, *, repeats: int = 5, 
     fields, "sum_median_s", "replay_max_abs_diff" (the pieces' logits vs the whole's), "by_part": {part: {"median_s", "share"}}, "by_kind": {...}} (shares of the sum)."""
     b, t = tokens.shape
     cfg = model.cfg
-    if t == 1:  # decode: the step's state, as Generator decodes
+    if t == 1:  # decode: the step's state, as the engine's decode programs read it
         gd, st = nnx.split(model)
         model = nnx.merge(gd, decode_state(model, st, b))
     cache = model.init_cache(b, context + t)

@@ -5,10 +5,12 @@ and loaded into glm53 through glm53.checkpoint.hf.load_hf_model, so both run the
 process. Timed by `harness.time_calls` (one warm-up call each, then the repeats, glm53 and transformers taking
 turns), batch 1:
 
-  prefill  one forward over a prompt of `prefill_len` tokens (glm53: `Generator.forward`, one jitted call with a
-           donated cache; transformers: `model(input_ids, use_cache=True)` under torch.no_grad);
-  decode   `decode_len` greedy steps after that prefill (untimed), each one forward of the last token plus a
-           host-side argmax (glm53: the same jitted call; transformers: `model(..., past_key_values=...)`).
+  prefill  one forward over a prompt of `prefill_len` tokens (glm53: the runtime's prefill program, the serving
+           engine's, one jitted call with a donated cache, glm53.benchmarks.greedy; transformers:
+           `model(input_ids, use_cache=True)` under torch.no_grad);
+  decode   `decode_len` greedy steps after that prefill (untimed), each one forward of the last token and an
+           argmax (glm53: the insert program, then the decode program, argmax on device; transformers:
+           `model(..., past_key_values=...)`, argmax on the host).
 
 `run` returns the JSON result: machine (with torch's thread count), settings, and per config: model sizes,
 build and compile time, per phase each side's timing and tokens_per_s and the ratio glm53 / transformers tokens/s
@@ -32,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from glm53 import generate
 from glm53.benchmarks import harness
+from glm53.benchmarks.greedy import GreedyStreams
 from glm53.checkpoint import hf as hf_ckpt
 from glm53.config import ModelConfig
 from glm53.model import count_params
@@ -52,29 +54,25 @@ class Settings:
 
 
 class Glm53Runner:
-    """glm53 greedy prefill + decode through `Generator.forward` (one jitted program per shape, donated cache)."""
+    """glm53 greedy prefill + decode of one stream on the runtime's programs (glm53.benchmarks.greedy: the serving
+    engine's, one program per shape, donated cache)."""
 
     def __init__(self, model, max_len: int):
-        self.gen = generate.Generator(model, prefill_chunk=max_len)
+        self.streams = GreedyStreams(model, prefill_chunk=max_len)
         self.max_len = max_len
 
     def fresh(self):
-        """An empty cache for one stream."""
-        return self.gen.init_cache(1, self.max_len)
+        """An empty staging cache for one stream."""
+        return self.streams.fresh(1, self.max_len)
 
-    def prefill(self, cache, prompt_bt) -> tuple[object, np.ndarray]:
-        """(cache, last-position logits [V]) after feeding the prompt."""
-        _, logits, cache = self.gen.forward(cache, prompt_bt)
-        return cache, np.asarray(logits[0, -1])
+    def prefill(self, state, prompt_bt) -> tuple[object, np.ndarray]:
+        """(prefilled, last-position logits [V]) after feeding the prompt."""
+        prefilled, logits = self.streams.prefill(state, prompt_bt)
+        return (prefilled, logits), logits[0]
 
     def decode(self, prefilled, steps: int) -> list[int]:
-        """Greedy tokens [steps + 1] from a prefill's (cache, logits)."""
-        cache, first = prefilled
-        toks = [int(np.argmax(first))]
-        for _ in range(steps):
-            _, logits, cache = self.gen.forward(cache, np.asarray([[toks[-1]]], np.int32))
-            toks.append(int(np.argmax(np.asarray(logits)[0, -1])))
-        return toks
+        """Greedy tokens [steps + 1] from a prefill."""
+        return [int(t) for t in self.streams.decode(prefilled[0], steps)[0]]
 
 
 class TorchRunner:

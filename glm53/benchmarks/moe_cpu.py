@@ -3,7 +3,7 @@
 Entry point: `python -m experiments.bench_moe_cpu` (flags and output there). Default shape: configs/tiny.py:small's
 MoE layer (hidden 1024, expert width 256, 32 experts, top-4), uniform routing (seeded). Weights: "dense" f32
 kernels, "split": the same kernels as per-expert views (`kernels.moe.expert_list.ExpertList`, what
-`glm53.generate.Generator` decodes with on CPU; timed only where the xla_cpu decode form runs), or the UD-IQ3_XXS
+the serving engine decodes with on CPU; timed only where the xla_cpu decode form runs), or the UD-IQ3_XXS
 common layer (IQ2_S gate/up, IQ3_S down) as QuantizedExperts in the "planes" or "reencoded" layout. "mlp" is the dense SwiGLU MLP of width top_k * expert width (the routed experts' active FLOPs;
 its weights do not depend on the experts' kind). An implementation with a form (xla_cpu) runs its decode form
 for T*K <= 64 slots, else its prefill form, as "auto" does.

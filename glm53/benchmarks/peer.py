@@ -7,7 +7,7 @@ UD-IQ3_XXS. Only the routed experts are quantized; the non-expert matrices stay 
 
 Per file the engines (glm53/benchmarks/peer_engines.py) are:
   glm53         `glm53.checkpoint.gguf` loads the file itself (f32, routed experts kept quantized as planes,
-                moe_impl="auto"); runs through `glm53.generate.Generator`.
+                kernels.moe "auto"); runs on the runtime's programs (glm53.benchmarks.greedy).
   llama_cpp     llama-cpp-python's C API, default CPU settings, F32 KV cache (exact logits for this arch).
   transformers  eager fp32 on the HF weights (the dense F32 reference): timed in the first file's rounds only,
                 its row is the reference of every file's glm53/transformers ratio.
@@ -131,8 +131,8 @@ def build_files(
 
 def load_glm53(path: str, fmt: str, layout: str = "reencoded"):
     """glm53's model of one GGUF: f32, routed experts kept in the file's format (dense for F32) in `layout`,
-    moe_impl auto."""
-    quant = QuantConfig(experts="none" if fmt == "F32" else fmt, layout=layout, moe_impl="auto")
+    every kernel op "auto" (KernelConfig's default)."""
+    quant = QuantConfig(experts="none" if fmt == "F32" else fmt, layout=layout)
     _, model, _ = gguf_ckpt.load_gguf_checkpoint(path, dtype=jnp.float32, quant=quant, with_mtp=False)
     return model
 
@@ -272,7 +272,7 @@ def run(
                                    llama_cpp_threads=s.threads, xla_threads=XLA_THREADS),
         "settings": {**dataclasses.asdict(s), "config": variant, "decode_prompt": s.decode_prompt,
                      "dtype": "float32", "quantized": "routed experts only; non-expert matrices F32 in every file",
-                     "glm53": "Generator, f32, experts kept quantized, moe_impl=auto",
+                     "glm53": "runtime programs (serving engine), f32, experts kept quantized, kernels auto",
                      "llama_cpp": "llama-cpp-python C API, default CPU settings, F32 KV cache (type_k / type_v)",
                      "transformers": "eager fp32 on the HF weights, timed with the first file (F32 reference)"},
         "model": {"hidden_size": cfg.hidden_size, "layer_types": list(cfg.layer_types),

@@ -1,13 +1,14 @@
 """The three engines of the peer benchmark (glm53/benchmarks/peer.py), one interface: greedy prefill and decode of
-B streams with prompts of equal length, host-side argmax.
+B streams with prompts of equal length.
 
 Each engine has `fresh(batch, max_len)` (an empty state: a cache, a cleared llama.cpp context, or nothing for
 transformers), `prefill(state, prompts_bp)` -> (state, last-position logits [B, V] as numpy f32) and
 `decode(prefilled, steps)` -> greedy tokens [B, steps + 1] (the first from the prefill's logits, then `steps`
 one-token forwards of all B streams together).
 
-  Glm53Engine      `glm53.generate.Generator` (one jitted program per shape, donated cache): a prompt is one
-                   `forward`; B > 1 prompts are fed stream by stream (`Generator.prefill`, the same program).
+  Glm53Engine      the runtime's programs, those the serving engine runs (glm53.benchmarks.greedy: one program per
+                   shape, donated cache): the B prompts are one prefill of [B, P] (in chunks of `prefill_chunk`),
+                   the first tokens come from the insert program, then one decode program of width B per step.
   TorchEngine      transformers eager, fp32, `torch.no_grad`, its own cache.
   LlamaCppEngine   llama.cpp through llama-cpp-python's low-level C API: one model, one context per
                    (streams, context length) with llama.cpp's default settings except n_ctx, n_batch (a whole
@@ -26,39 +27,14 @@ import llama_cpp
 import numpy as np
 import torch
 
-from glm53 import generate
+from glm53.benchmarks.greedy import GreedyStreams
 
 
-class Glm53Engine:
-    """glm53 through `Generator.forward`: prompts [B, P] in one call, then B one-token streams per step."""
+class Glm53Engine(GreedyStreams):
+    """glm53 on the runtime's programs (glm53.benchmarks.greedy): prompts [B, P] in one prefill, then B streams
+    per decode step."""
 
     name = "glm53"
-
-    def __init__(self, model, prefill_chunk: int):
-        self.gen = generate.Generator(model, prefill_chunk=prefill_chunk)
-
-    def fresh(self, batch: int, max_len: int):
-        return self.gen.init_cache(batch, max_len)
-
-    def prefill(self, cache, prompts_bp: np.ndarray):
-        """One forward of [1, P]; B > 1 streams one after the other (`Generator.prefill`, the same program)."""
-        if prompts_bp.shape[0] == 1:
-            # the lm head of the last position only, as llama.cpp computes it
-            _, logits, cache = self.gen.forward(cache, prompts_bp, last_only=True)
-            return cache, np.asarray(logits[:, -1], np.float32)
-        out = []
-        for s, prompt in enumerate(prompts_bp):
-            _, last, cache = self.gen.prefill(cache, prompt, stream=s)
-            out.append(np.asarray(last[0], np.float32))
-        return cache, np.stack(out)
-
-    def decode(self, prefilled, steps: int) -> np.ndarray:
-        cache, logits_bv = prefilled
-        toks = [logits_bv.argmax(-1).astype(np.int32)]
-        for _ in range(steps):
-            _, logits, cache = self.gen.forward(cache, toks[-1][:, None])
-            toks.append(np.asarray(logits[:, -1]).argmax(-1).astype(np.int32))
-        return np.stack(toks, axis=1)
 
 
 class TorchEngine:

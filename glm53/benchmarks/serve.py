@@ -118,9 +118,9 @@ def step_costs(model, slots: list[int], options: dict[str, dict | None], *, max_
             progs[(b, f"narrow of {full_slots}")] = eng, b
     calls = {}
     for key, (eng, b) in progs.items():
-        z, none = np.zeros(b, bool), [None] * b
-        args = (z, z, eng._masks(none), np.zeros(b, np.int32), sampling_args(none, b))
-        calls[key] = functools.partial(eng._run_decode, *args)  # an idle step of width b (compiles here)
+        z, zi, none = np.zeros(b, bool), np.zeros(b, np.int32), [None] * b
+        args = (zi, zi, z, z, eng._masks(none), zi, sampling_args(none, b))
+        calls[key] = functools.partial(eng.programs.decode, *args)  # an idle step of width b (compiles here)
         calls[key]()
     times: dict = defaultdict(list)
     for _ in range(rounds):

@@ -28,6 +28,7 @@ import torch
 from glm53.benchmarks import harness
 from glm53.checkpoint import hf as hf_ckpt
 from glm53.config import ModelConfig
+from glm53.config.kernels import KernelConfig
 from glm53.testing.hf_torch import random_hf_model
 from glm53.train import routing
 from glm53.train import step as S
@@ -36,14 +37,16 @@ from glm53.train.loss import LossConfig
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """Batch shape, timed repeats (medians are reported), weights / batch seed, and XLA:CPU's fast-compile mode
-    for our step (tests: a slower step, compiled in half the time)."""
+    """Batch shape, timed repeats (medians are reported), weights / batch seed, XLA:CPU's fast-compile mode
+    for our step (tests: a slower step, compiled in half the time) and the kernels our model is built with
+    (experiments.bench_train: configs/train.py's ``kernels`` section, the one training runs)."""
 
     batch_size: int = 4
     seq_len: int = 64
     repeats: int = 5
     seed: int = 0
     fast_compile: bool = False
+    kernels: KernelConfig = KernelConfig()
 
     def __post_init__(self):
         for name in ("batch_size", "seq_len", "repeats"):
@@ -60,9 +63,9 @@ def _batch(cfg: ModelConfig, s: Settings) -> np.ndarray:
     )
 
 
-def ours(folder: str, tokens: np.ndarray, fast_compile: bool) -> Callable[[], float]:
+def ours(folder: str, tokens: np.ndarray, fast_compile: bool, kernels: KernelConfig) -> Callable[[], float]:
     """A step function (one train step per call; returns its loss) of glm53 on the HF folder's weights."""
-    _, model = hf_ckpt.load_hf_model(folder, dtype=np.float32, with_mtp=False, kernels=S.TRAIN_KERNELS)
+    _, model = hf_ckpt.load_hf_model(folder, dtype=np.float32, with_mtp=False, kernels=kernels)
     names = routing.instrument_routers(model)
     graphdef, params, biases, rest = S.split_model(model)
     tx = S.optimizer(OPTIM)
@@ -103,7 +106,7 @@ def bench_config(name: str, cfg: ModelConfig, s: Settings, log: Callable[[str], 
     hf = random_hf_model(cfg, s.seed)
     with tempfile.TemporaryDirectory() as folder:
         hf.save_pretrained(folder)
-        mine = ours(folder, tokens, s.fast_compile)
+        mine = ours(folder, tokens, s.fast_compile, s.kernels)
     ref = theirs(hf, tokens)
     t = time.perf_counter()
     first_ours = float(mine())

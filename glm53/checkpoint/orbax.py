@@ -255,13 +255,19 @@ def _quantized_plan(entry, var, target, mesh, rules, default, where):
     return plan, build
 
 
+def _stored_quant(d: dict) -> dict:
+    """A sidecar's quant section without the expert kernel that checkpoints written before the ``kernels``
+    section stored in it (``moe_impl``): a run choice, not part of the weights."""
+    return {k: v for k, v in d.items() if k != "moe_impl"}
+
+
 def restore_model(
     ckpt_dir: str | os.PathLike,
     mesh: jax.sharding.Mesh | None = None,
     rules="tp",
     *,
     dtype=None,
-    kernels: dict[str, str] | None = None,
+    kernels=None,
     moe_dispatch: bool = True,
     with_mtp: bool | None = None,
     verify: bool = True,
@@ -272,7 +278,7 @@ def restore_model(
     mesh: None puts everything on the default device; a mesh builds the model with
     `glm53.parallel.abstract_sharded_model(..., rules)` and reads each leaf with its NamedSharding (each device
     reads its shard only). dtype: parameter dtype (default: the one converted to; floats are cast on read).
-    kernels: implementation per kernel op (overrides the stored quant.moe_impl for "moe"). with_mtp: None
+    kernels: the implementation of each kernel op (`Glm53Model`; not stored with the weights). with_mtp: None
     restores the MTP block when the checkpoint has one, True requires it, False leaves it out. verify: check
     every leaf's CRC-32 (module docstring; False skips the host copy). scan_layers: the layout of the model
     returned (`ModelConfig.scan_layers`; None: the stored config's, False for every checkpoint glm53 writes): the
@@ -284,7 +290,7 @@ def restore_model(
     meta = read_metadata(d)
     try:
         cfg = model_config_from_dict(meta["config"])
-        quant = None if meta.get("quant") is None else quant_config_from_dict(meta["quant"])
+        quant = None if meta.get("quant") is None else quant_config_from_dict(_stored_quant(meta["quant"]))
         dtype = jnp.dtype(dtype if dtype is not None else meta["dtype"])
         stored_mtp = bool(meta["with_mtp"])
         manifest = {e["path"]: e for e in meta["manifest"]}

@@ -7,13 +7,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm53.config import ModelConfig
+from glm53.config.kernels import kernel_config
 from glm53.layers import dsa as dsa_lib
 from glm53.layers import kda as kda_lib
 from glm53.layers.hyper_connections import HyperConnection
 from glm53.layers.mlp import MLP
 from glm53.layers.moe import MoE
 from glm53.layers.norm import RMSNorm
-from kernels import dispatch
 
 
 class DecoderLayer(nnx.Module):
@@ -21,30 +21,31 @@ class DecoderLayer(nnx.Module):
 
     attention sublayer:  u, post, comb = attn_hc(x); y = self_attn(input_layernorm(u)); x = attn_hc.expand(x, y, ...)
     ffn sublayer:        u, post, comb = ffn_hc(x);  y = mlp(post_attention_layernorm(u)); x = ffn_hc.expand(...)
+
+    kernels: the implementation of each kernel op (`glm53.config.kernels.KernelConfig`, or a mapping of it;
+    None: every op "auto").
     """
 
     def __init__(
         self, cfg: ModelConfig, layer_idx: int, *, rngs: nnx.Rngs, dtype=jnp.float32, kernels=None, quant=None
     ):
-        kernels = kernels or {}
+        kernels = kernel_config(kernels)
         self.layer_idx = layer_idx
         self.attn_kind = cfg.layer_types[layer_idx]
         self.mlp_kind = cfg.mlp_layer_types[layer_idx]
         eps = cfg.rms_norm_eps
-        hc_impl = kernels.get("mhc", dispatch.AUTO)
+        hc_impl = kernels.mhc
         self.attn_hc = HyperConnection(cfg, rngs=rngs, dtype=dtype, implementation=hc_impl)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, rngs=rngs, dtype=dtype)
         if self.attn_kind == "kda":
-            self.self_attn = kda_lib.KDA(
-                cfg, rngs=rngs, dtype=dtype, implementation=kernels.get("kda", dispatch.AUTO)
-            )
+            self.self_attn = kda_lib.KDA(cfg, rngs=rngs, dtype=dtype, implementation=kernels.kda)
         else:
             self.self_attn = dsa_lib.DSA(
                 cfg,
                 rngs=rngs,
                 dtype=dtype,
                 layer_idx=layer_idx,
-                implementation=kernels.get("sparse_mla", dispatch.AUTO),
+                implementation=kernels.sparse_mla,
             )
         self.ffn_hc = HyperConnection(cfg, rngs=rngs, dtype=dtype, implementation=hc_impl)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, rngs=rngs, dtype=dtype)
@@ -52,7 +53,7 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(cfg, rngs=rngs, dtype=dtype)
         else:
             self.mlp = MoE(
-                cfg, rngs=rngs, dtype=dtype, implementation=kernels.get("moe", "reference"), quant=quant,
+                cfg, rngs=rngs, dtype=dtype, implementation=kernels.moe, quant=quant,
                 layer_idx=layer_idx,
             )  # fmt: skip
 

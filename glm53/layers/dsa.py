@@ -26,6 +26,7 @@ from glm53.layers.indexer import Indexer, recent_rows, write_at
 from glm53.layers.linear import Linear
 from glm53.layers.norm import RMSNorm
 from glm53.quant.int8 import dequantize_rows, quantize_rows
+from kernels import dispatch
 from kernels.sparse_mla import api as sparse_mla_api
 
 ATTN_FORMS = ("absorbed", "expanded")
@@ -127,7 +128,7 @@ class DSA(nnx.Module):
         dtype=jnp.float32,
         layer_idx: int | None = None,
         attn_form: str = "absorbed",
-        implementation: str = "auto",
+        implementation: str = dispatch.AUTO,
     ):
         if attn_form not in ATTN_FORMS:
             raise ValueError(f"DSA: attn_form must be one of {ATTN_FORMS}, got {attn_form!r}")

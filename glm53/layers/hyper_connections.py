@@ -9,6 +9,7 @@ from flax import nnx
 from glm53 import dims
 from glm53.config import ModelConfig
 from glm53.layers.param import param
+from kernels import dispatch
 from kernels.mhc import api as mhc_api
 
 
@@ -27,7 +28,7 @@ class HyperConnection(nnx.Module):
     """
 
     def __init__(
-        self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, implementation: str = "reference"
+        self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, implementation: str = dispatch.AUTO
     ):
         n, d = cfg.hc_mult, cfg.hidden_size
         mix = (2 + n) * n

@@ -8,12 +8,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm53.layers.param import param
-from glm53.quant.int8 import Int8Weight
-from kernels.matmul.streamed import StreamedKernel
+from kernels.matmul import api as matmul_api
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel, kernel [in, out] with logical axes `axes` = (in_axis, out_axis)."""
+    """y = x @ kernel, kernel [in, out] with logical axes `axes` = (in_axis, out_axis).
+
+    The kernel is an array or a weight with its own product (`kernels.matmul.api.matmul`): int8 storage (a loader
+    option) or a decode program's StreamedKernel (`glm53.runtime.weights.decode_state`)."""
 
     def __init__(
         self,
@@ -30,7 +32,4 @@ class Linear(nnx.Module):
         self.kernel = param(rngs, (in_features, out_features), axes, dtype, std=std)
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        w = self.kernel.get_value()
-        if isinstance(w, Int8Weight | StreamedKernel):  # int8 storage (a loader option); decode programs' few-row
-            return w.matmul(x)  # products (glm53.generate.decode_state)
-        return jnp.matmul(x, self.kernel[...].astype(x.dtype))
+        return matmul_api.matmul(x, self.kernel.get_value())

@@ -12,9 +12,8 @@ from glm53.layers.mlp import MLP
 from glm53.layers.param import param
 from glm53.layers.stack import StackedSlice
 from glm53.quant.qweight import QuantizedExperts, expert_formats
-from kernels.matmul.streamed import StreamedKernel
+from kernels import dispatch
 from kernels.moe import api as moe_api
-from kernels.moe.expert_list import ExpertList
 
 
 class Router(nnx.Module):
@@ -79,7 +78,7 @@ class Experts(nnx.Module):
         *,
         rngs: nnx.Rngs,
         dtype=jnp.float32,
-        implementation: str = "reference",
+        implementation: str = dispatch.AUTO,
         formats: dict[str, str] | None = None,
         layout: str = "planes",
         decode_max_slots: int = moe_api.DEFAULT_DECODE_MAX_SLOTS,
@@ -116,10 +115,8 @@ class Experts(nnx.Module):
                 topk_ids_tk = ids[0]
             else:
                 ws = tuple(w.take() for w in ws)
-        if any(isinstance(w, ExpertList | StreamedKernel) for w in ws):  # wrapped for CPU decode
-            n_slots = topk_ids_tk.shape[0] * topk_ids_tk.shape[1]  # (glm53.generate.decode_state): only the
-            if moe_api.select_implementation(self.implementation, n_slots, self.decode_max_slots) != "xla_cpu_decode":
-                ws = tuple(_unwrap(w) for w in ws)  # xla_cpu decode form reads them wrapped
+        # decode programs' wrapped weights (glm53.runtime.weights.decode_state) go to the api as they are: it
+        # unwraps them for every implementation but the one that reads them (kernels.moe.api.READS_DECODE_WEIGHTS)
         return moe_api.moe_experts(
             x_td,
             topk_ids_tk,
@@ -131,13 +128,6 @@ class Experts(nnx.Module):
         )
 
 
-def _unwrap(w):
-    """The stacked array of a decode-wrapped expert kernel (ExpertList: a copy; StreamedKernel: the array)."""
-    if isinstance(w, ExpertList):
-        return w.stacked()
-    return w.unwrap() if isinstance(w, StreamedKernel) else w
-
-
 class MoE(nnx.Module):
     """y = sum_k w_k Expert_{id_k}(x) + SharedExpert(x) (no gate on the shared expert; none if n_shared_experts=0)."""
 
@@ -147,7 +137,7 @@ class MoE(nnx.Module):
         *,
         rngs: nnx.Rngs,
         dtype=jnp.float32,
-        implementation: str = "reference",
+        implementation: str = dispatch.AUTO,
         quant: QuantConfig | None = None,
         layer_idx: int | None = None,
     ):

@@ -13,6 +13,7 @@ from flax import nnx
 
 from glm53 import dims
 from glm53.config import ModelConfig
+from glm53.config.kernels import kernel_config
 from glm53.layers import dsa as dsa_lib
 from glm53.layers.linear import Linear
 from glm53.layers.moe import MoE
@@ -21,7 +22,7 @@ from glm53.layers.norm import RMSNorm
 
 class MTPBlock(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, kernels=None, quant=None):
-        kernels = kernels or {}
+        kernels = kernel_config(kernels)  # KernelConfig, a mapping of it, or None (every op "auto")
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.cfg = cfg
         self.enorm = RMSNorm(d, eps, rngs=rngs, dtype=dtype)
@@ -29,12 +30,10 @@ class MTPBlock(nnx.Module):
         self.eh_proj = Linear(2 * d, d, (None, dims.EMBED), rngs=rngs, dtype=dtype)
         self.input_layernorm = RMSNorm(d, eps, rngs=rngs, dtype=dtype)
         self.self_attn = dsa_lib.DSA(
-            cfg, rngs=rngs, dtype=dtype, layer_idx=None, implementation=kernels.get("sparse_mla", "auto")
+            cfg, rngs=rngs, dtype=dtype, layer_idx=None, implementation=kernels.sparse_mla
         )
         self.post_attention_layernorm = RMSNorm(d, eps, rngs=rngs, dtype=dtype)
-        self.mlp = MoE(
-            cfg, rngs=rngs, dtype=dtype, implementation=kernels.get("moe", "reference"), quant=quant
-        )
+        self.mlp = MoE(cfg, rngs=rngs, dtype=dtype, implementation=kernels.moe, quant=quant)
         self.shared_head_norm = RMSNorm(d, eps, rngs=rngs, dtype=dtype)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from glm53.quant import tables
+from glm53.quant import registry, tables
 from glm53.quant.formats import QuantFormat, get_format
 
 Fields = Mapping[str, jax.Array]
@@ -324,7 +324,9 @@ _DECODERS: dict[str, Callable[[Fields], jax.Array]] = {
     "IQ3_S": _dec_iq3_s,
 }
 
-SUPPORTED_FORMATS: tuple[str, ...] = tuple(_DECODERS)
+# The GGUF formats of the registry's "jnp" backend (the re-encoded ones decode in reencode.py); `_DECODERS` names
+# exactly these (tests/test_expert_formats.py).
+SUPPORTED_FORMATS: tuple[str, ...] = tuple(f for f in registry.formats_for("jnp") if registry.entry(f).gguf)
 
 
 # ------------------------------------------------------------------------------------------------- public API

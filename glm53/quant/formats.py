@@ -1,14 +1,17 @@
 """Quantization formats: the one place where format names are parsed and block layouts are defined.
 
 Block layouts are llama.cpp's (ggml-common.h): each block of `block_size` weights is `type_size` bytes, made of
-named fields at fixed byte offsets. Type ids and sizes come from gguf-py's constants and are cross-checked here.
+named fields at fixed byte offsets. The layouts themselves are entries of `glm53.quant.registry` (one per format,
+cross-checked there against gguf-py's type sizes); this module turns them into `QuantFormat`s and parses names.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.constants import GGMLQuantizationType
+
+from glm53.quant import registry
 
 
 class UnknownFormatError(ValueError):
@@ -57,40 +60,11 @@ def _layout(*spec: tuple[str, int]) -> tuple[Field, ...]:
     return tuple(out)
 
 
-_QK = 256  # super-block size of K- and i-quants
-
-_LAYOUTS: dict[str, tuple[int, tuple[tuple[str, int], ...]]] = {
-    # name: (block_size, [(field, nbytes), ...]) in memory order
-    "F32": (1, (("w", 4),)),
-    "F16": (1, (("w", 2),)),
-    "BF16": (1, (("w", 2),)),
-    "Q4_0": (32, (("d", 2), ("qs", 16))),
-    "Q8_0": (32, (("d", 2), ("qs", 32))),
-    "IQ4_NL": (32, (("d", 2), ("qs", 16))),
-    "Q2_K": (_QK, (("scales", 16), ("qs", 64), ("d", 2), ("dmin", 2))),
-    "Q3_K": (_QK, (("hmask", 32), ("qs", 64), ("scales", 12), ("d", 2))),
-    "Q4_K": (_QK, (("d", 2), ("dmin", 2), ("scales", 12), ("qs", 128))),
-    "Q5_K": (_QK, (("d", 2), ("dmin", 2), ("scales", 12), ("qh", 32), ("qs", 128))),
-    "Q6_K": (_QK, (("ql", 128), ("qh", 64), ("scales", 16), ("d", 2))),
-    "IQ2_XXS": (_QK, (("d", 2), ("qs", 64))),
-    "IQ2_XS": (_QK, (("d", 2), ("qs", 64), ("scales", 8))),
-    # IQ2_S: qs holds 32 grid-index low bytes followed by 32 sign bytes.
-    "IQ2_S": (_QK, (("d", 2), ("qs", 32), ("signs", 32), ("qh", 8), ("scales", 8))),
-    "IQ3_XXS": (_QK, (("d", 2), ("qs", 64), ("scales_signs", 32))),
-    "IQ3_S": (_QK, (("d", 2), ("qs", 64), ("qh", 8), ("signs", 32), ("scales", 4))),
-    "IQ4_XS": (_QK, (("d", 2), ("scales_h", 2), ("scales_l", 4), ("qs", 128))),
-}
-
-FORMATS: dict[str, QuantFormat] = {}
-for _name, (_bs, _spec) in _LAYOUTS.items():
-    _fields = _layout(*_spec)
-    _ts = sum(f.nbytes for f in _fields)
-    _gt = int(GGMLQuantizationType[_name])
-    if GGML_QUANT_SIZES[GGMLQuantizationType[_name]] != (_bs, _ts):  # pragma: no cover - consistency guard
-        raise AssertionError(
-            f"{_name}: layout {(_bs, _ts)} != gguf {GGML_QUANT_SIZES[GGMLQuantizationType[_name]]}"
-        )
-    FORMATS[_name] = QuantFormat(_name, _gt, _bs, _ts, _fields)
+FORMATS: dict[str, QuantFormat] = {}  # the GGUF types (and FP8 below); parsed by get_format
+REENCODED_FORMATS: dict[str, QuantFormat] = {}  # the re-encoded gather-free layouts (glm53.quant.reencode)
+for _e in registry.ENTRIES:
+    _f = QuantFormat(_e.name, _e.ggml_type, _e.block_size, _e.type_size, _layout(*_e.fields))
+    (FORMATS if _e.gguf else REENCODED_FORMATS)[_e.name] = _f
 
 # FP8 e4m3 with 128x128 block scales (`weight_scale_inv`), the HF release format; not a GGUF type.
 FORMATS["FP8_E4M3"] = QuantFormat("FP8_E4M3", None, 1, 1, (Field("w", 0, 1),))

@@ -27,21 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm53.quant import tables
-from glm53.quant.formats import Field, QuantFormat, UnknownFormatError, get_format
+from glm53.quant import registry, tables
+from glm53.quant.formats import REENCODED_FORMATS, QuantFormat, UnknownFormatError, get_format
 from glm53.quant.planes import Planes, gguf_fields, planes_from_fields, planes_to_fields, planes_to_words
 
-
-def _block_format(name: str, *spec: tuple[str, int]) -> QuantFormat:
-    """A 256-weight block format with fields laid out in `spec` order (ggml_type None: not a GGUF type)."""
-    offsets = np.cumsum([0] + [n for _, n in spec]).tolist()
-    fields = tuple(Field(f, off, n) for (f, n), off in zip(spec, offsets))
-    return QuantFormat(name, None, 256, offsets[-1], fields)
-
-
-REENCODED: dict[str, QuantFormat] = {
-    "IQ2_S": _block_format("IQ2_S_R", ("d", 2), ("scales", 8), ("signs", 32), ("levels", 64)),
-    "IQ3_S": _block_format("IQ3_S_R", ("d", 2), ("scales", 4), ("codes", 128)),
+REENCODED: dict[str, QuantFormat] = {  # GGUF source -> its gather-free layout (entries of glm53.quant.registry)
+    src: REENCODED_FORMATS[name] for src, name in registry.reencoded_formats().items()
 }
 _SOURCE = {r.name: src for src, r in REENCODED.items()}
 

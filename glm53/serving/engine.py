@@ -1,22 +1,17 @@
 """Continuous batching: B slots of one fixed-shape jitted decode step that requests join and leave freely.
 
-Programs (all compiled once, at `warmup`; `compiled_programs` counts them; built in glm53.serving.programs):
-  * decode [b] for each width b in `decode_widths` (default 1, 2, 4, ..., B): one token for each of the first b
-    slots (tokens [b] in, next tokens [b] out), the cache donated; per-slot sampling on device (temperature,
-    top-p, top-k, a key from (seed, token index)); inactive slots are masked (their length does not advance,
-    their tokens are ignored), so a slot's rows hold garbage until it is reused. New requests take the lowest
-    free slot and each step runs the smallest width covering the highest busy slot (idle slots above it cost
-    nothing; a narrower step returns its b rows, which `put` writes back); move: a busy slot's rows copied
-    into a free lower one, when that allows a narrower step;
-  * prefill [w, C] per bucket C: new requests are fed, a chunk per engine step between decode steps, into a
-    staging cache of w rows, up to max(prefill_widths) requests of one chunk plan together (glm53.serving.admit);
-    a prompt is split into bucket-sized chunks, largest first (buckets include 1: no chunk is ever padded);
-  * insert [w]: the staging cache's rows written over their slots' (every row and position: nothing of a slot's
-    previous request survives), each first token sampled from the prefill's last logits.
+The device programs are one `glm53.runtime.programs.Programs` (`programs`: decode per width, prefill, insert,
+put / move, cache init; its docstring says what each does), all compiled once at `warmup` (`compiled_programs`
+counts them). New requests take the lowest free slot and each step runs the smallest decode width covering the
+highest busy slot (idle slots above it cost nothing; `move`: a busy slot's rows copied into a free lower one, when
+that allows a narrower step). New requests are fed, a chunk per engine step between decode steps, into a staging
+cache of w rows, up to max(prefill_widths) requests of one chunk plan together (glm53.serving.admit); a prompt is
+split into bucket-sized chunks, largest first (buckets include 1: no chunk is ever padded); insert writes the
+staging rows over their slots and samples each first token.
 Options: `prefix_cache_bytes` > 0: a prompt sharing whole blocks of `prefix_block` tokens with an earlier one
 resumes from their snapshots (glm53.serving.prefix; chunks then end on block boundaries, 4 more programs);
-`speculative=True`: the decode step verifies each slot's MTP draft (glm53.serving.speculative; the decode,
-prefill and insert programs are its variants, which also keep the MTP cache).
+`speculative=True`: the decode step verifies each slot's MTP draft (glm53.runtime.speculative: the programs'
+speculative variant, which also keeps the MTP cache).
 Constrained decoding (`Request.constraint`, glm53.serving.constrain): the decode and insert programs always take a
 bool mask [B, V] / [1, V] of the allowed next tokens (all true, already on the device, when no slot is constrained).
 One host transfer of all slots' tokens per decode step. Stops: EOS ids, stop strings (on the detokenized text;
@@ -33,7 +28,6 @@ shared step's exception, which is logged once (logger "glm53.serving") with the 
 from __future__ import annotations
 
 import collections
-import functools
 import numbers
 import threading
 import time
@@ -42,13 +36,9 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from glm53 import parallel as S
-from glm53.generate import decode_state
 from glm53.model import Glm53Model
-from glm53.serving import programs as P
-from glm53.serving import speculative as spec
+from glm53.runtime.programs import Programs, widths
 from glm53.serving.admit import Group, Seq, groupable, mask_rows, sampling_args, width_for
 from glm53.serving.lifecycle import Intake, OwnFailure, advance, log, own_error, shared_error
 from glm53.serving.limits import Limits
@@ -60,8 +50,8 @@ from glm53.serving.text import StopText
 class Engine:
     """B slots over one model. `detokenize(ids) -> str` turns generated ids into text (None: no text, no stop
     strings). compiler_options go to every `jax.jit` (e.g. {"xla_backend_optimization_level": 0}: faster
-    compiles for tests), on CPU on top of `programs.CPU_OPTIONS`. decode_widths: the decode step's widths
-    (None: 1, 2, 4, ..., slots; a sharded model: slots only). Not thread-safe except `submit`, `cancel`, `drain`,
+    compiles for tests), on CPU on top of `glm53.runtime.programs.CPU_OPTIONS`. decode_widths: the decode step's
+    widths (None: 1, 2, 4, ..., slots; a sharded model: slots only). Not thread-safe except `submit`, `cancel`, `drain`,
     `abort_all` and the counters; drive it with `step` / `run`.
     prefix_cache_bytes: the prefix cache's byte budget (0: off), prefix_block its block (tokens, a multiple of
     index_kpool); speculative: MTP speculative decoding (the model needs its MTP block). mesh / rules: the mesh
@@ -103,39 +93,24 @@ class Engine:
         if limits is not None and not isinstance(limits, Limits):
             raise ValueError(f"limits={limits!r}: a glm53.serving.limits.Limits")
         self.limits = Limits() if limits is None else limits
-        if speculative and model.mtp is None:
-            raise ValueError("speculative=True: the model has no MTP block (build it with with_mtp=True)")
         self.cfg = model.cfg
         self.speculative = bool(speculative)
         self.slots, self.max_len, self.buckets = slots, max_len, tuple(buckets)
-        if decode_widths is None:
-            decode_widths = P.widths(slots) if mesh is None else (slots,)
-        self.decode_widths = P.check_widths(decode_widths, slots)
         prefill_batch = (min(slots, 8) if mesh is None else 1) if prefill_batch is None else prefill_batch
         if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) or not 1 <= prefill_batch <= slots:
             raise ValueError(f"prefill_batch={prefill_batch!r}: must be an integer in [1, slots={slots}]")
-        self.prefill_widths, self.prefill_batch_chunk = P.widths(prefill_batch), prefill_batch_chunk
-        compiler_options = P.cpu_options(compiler_options)
+        self.prefill_batch_chunk = prefill_batch_chunk
+        self.programs = Programs(model, slots=slots, max_len=max_len, decode_widths=decode_widths,
+                                 prefill_widths=widths(prefill_batch), speculative=speculative,
+                                 compiler_options=compiler_options, mesh=mesh, rules=rules)  # fmt: skip
+        self.decode_widths, self.prefill_widths = self.programs.decode_widths, self.programs.prefill_widths
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.detokenize = detokenize
-        self.graphdef, self.state = nnx.split(model)
-        # decode steps read dense routed experts as per-expert views on CPU where the xla_cpu decode form runs
-        # (glm53.generate.decode_state: no copy of each expert's slice); a sharded model keeps its state
-        rows = 2 if self.speculative else 1  # tokens per slot in a step
-        self._dstates = {b: self.state if mesh is not None else decode_state(model, self.state, b * rows)
-                         for b in self.decode_widths}  # fmt: skip
-        self._h_dtype = model.dtype
         self.stats = collections.Counter()  # steps, tokens, prefill_tokens, requests, finished, refused, ...
         self.prefix = None
         if prefix_cache_bytes:
-            jit = functools.partial(jax.jit, compiler_options=compiler_options)
             self.prefix = PrefixCache(block=prefix_block, budget=prefix_cache_bytes, kpool=self.cfg.index_kpool,
-                                      with_mtp=self.speculative, jit=jit, stats=self.stats)  # fmt: skip
-        self._place = (lambda c: c) if mesh is None else (  # caches in the rules' shardings (a sharded model)
-            lambda c: jax.lax.with_sharding_constraint(c, S.cache_shardings(c, mesh, rules)))  # fmt: skip
-        self._rep = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        P.build_programs(self, compiler_options, (spec if self.speculative else P).build)
-        self.cache = self._init(self.state, slots)
+                                      with_mtp=self.speculative, jit=self.programs.jit, stats=self.stats)  # fmt: skip
         self.max_queue = max_queue
         self._intake = Intake(slots + max_queue)  # the live requests (thread-safe)
         self._active: dict[int, Seq] = {}
@@ -146,13 +121,28 @@ class Engine:
         self.warm = False
 
     # ------------------------------------------------------------------------------------------- programs
+    @property
+    def cache(self):
+        """The slots' cache (the programs' `cache`)."""
+        return self.programs.cache
+
     def compiled_programs(self) -> int:
-        """Programs compiled so far (glm53.serving.programs.compiled): constant after `warmup`."""
-        return P.compiled(self)
+        """Programs compiled so far (`Programs.compiled` and the prefix cache's): constant after `warmup`."""
+        return self.programs.compiled() + sum(f._cache_size() for f in (self.prefix.programs if self.prefix else ()))
 
     def warmup(self, log: Callable[[str], None] | None = None) -> float:
         """Compiles every program once (a line per program to `log`); returns the seconds it took."""
-        return P.warmup(self, log)
+        t0 = time.perf_counter()
+        staged = None
+        if self.prefix:
+            def staged(staging, h):
+                jax.block_until_ready(self.prefix.warmup(staging, h if self.speculative else None))
+        self.programs.warmup(self.buckets, self.prefill_batch_chunk, log, staged)
+        self.warm = True
+        dt = time.perf_counter() - t0
+        if log:
+            log(f"engine warm: {self.compiled_programs()} programs in {dt:.1f} s")
+        return dt
 
     def _run_insert(self, g: Group, logits) -> list[int]:
         """Writes the group's live rows into their slots; their first tokens (draft kept per slot). A row whose
@@ -162,21 +152,11 @@ class Engine:
         rows = [None if s is None or s.done else s for s in rows]
         slots = np.asarray([-1 if s is None else s.slot for s in rows], np.int32)
         args = mask, *sampling_args(rows, g.width, self.cfg.vocab_size)
-        out, self.cache = self._insert(self.state, self.cache, g.staging, slots, logits, g.h, *args)
-        out = np.asarray(out)
+        out = self.programs.insert(g.staging, slots, logits, g.h, *args)
         for s, (_, draft) in zip(rows, out):
             if s is not None:
                 self._drafts[s.slot] = draft
         return [int(t) for t in out[:, 0]]
-
-    def _run_decode(self, active, verify, mask, counts, args) -> np.ndarray:
-        """The step of width b = len(active) over the first b slots: tokens [b] (plain), or rows (y0, y1,
-        accepted, next draft) [b, 4] (speculative): the host transfer."""
-        b = len(active)
-        a = (self._dstates[b], self.cache, self._tokens[:b], self._drafts[:b], active, verify, mask, counts, *args)
-        out, new = self._decodes[b](*a)
-        self.cache = new if b == self.slots else self._put(self.cache, new)
-        return np.asarray(out)
 
     # ---- constrained decoding (Request.constraint): a bool mask [n, V] per step; no slot constrained: the
     # all-true mask already on the device (no transfer). Every program always takes it: no program added.
@@ -277,7 +257,7 @@ class Engine:
         for s in seqs:
             self._finish(s, "error", [], "", shared_error(step))
         if reset:
-            self.cache = self._init(self.state, self.slots)
+            self.programs.reset()
             self._tokens[:], self._drafts[:] = 0, 0
 
     def _handle_ends(self) -> None:
@@ -300,7 +280,7 @@ class Engine:
         seqs, staging, h = [head], None, None
         if self.prefix and self.prefix.match(head.req.prompt):
             try:
-                head.resumed, staging, h = self.prefix.restore(head.req.prompt, self._init(self.state, 1))
+                head.resumed, staging, h = self.prefix.restore(head.req.prompt, self.programs.init(1))
             except Exception as e:  # noqa: BLE001 - a failed program ends the requests it served only
                 return self._fail_shared("prefix cache restore", seqs, e)
         plan = self._plan(head)
@@ -319,8 +299,8 @@ class Engine:
         for seq, slot in zip(seqs, free):
             seq.slot = slot
         try:
-            staging = self._init(self.state, w) if staging is None else staging
-            h = self._h0[w]() if h is None else h
+            staging = self.programs.init(w) if staging is None else staging
+            h = self.programs.h0(w) if h is None else h
         except Exception as e:  # noqa: BLE001
             return self._fail_shared("prefill step", seqs, e)
         self._group = Group(seqs, w, staging, plan, fed=head.resumed, h=h)
@@ -333,7 +313,7 @@ class Engine:
         for i, s in enumerate(g.seqs):
             toks[i] = s.req.prompt[g.fed : g.fed + c]
         try:  # the group's own staging cache: a failure ends the group only
-            logits, g.h, g.staging = self._prefill(self.state, g.staging, toks, g.h)
+            logits, g.h, g.staging = self.programs.prefill(g.staging, toks, g.h)
             hs = g.h if self.speculative else None
             for i, s in enumerate(g.seqs if self.prefix else ()):
                 if not s.done:
@@ -393,7 +373,7 @@ class Engine:
                 seq.slot, pre[free] = free, seq
                 continue
             seq = self._active.pop(top)
-            self.cache = self._move(self.cache, top, free)
+            self.programs.move(top, free)
             self._tokens[free], self._drafts[free], seq.slot = self._tokens[top], self._drafts[top], free
             self._active[free] = seq
             self.stats["slot_moves"] += 1
@@ -417,7 +397,7 @@ class Engine:
         t0 = time.perf_counter()
         try:
             args = sampling_args(seqs, b, self.cfg.vocab_size)
-            out = self._run_decode(active, verify, mask, counts, args)  # one host transfer
+            out = self.programs.decode(self._tokens[:b], drafts, active, verify, mask, counts, args)  # to the host
         except Exception as e:  # noqa: BLE001
             return self._fail_shared("decode step", list(self._active.values()), e, reset=True)
         self.stats["decode_us"] += int(1e6 * (time.perf_counter() - t0))

@@ -2,12 +2,12 @@
 
 Multi-controller JAX needs every process to call the same jitted programs, in the same order, with the same
 inputs. The engine's host logic (queue, scheduler, stop strings, constraints, sinks, HTTP) runs on process 0
-only, so its program calls are announced: `lead(engine)` replaces every jitted program of the engine (any
-attribute, or dict of them, holding a `jax.jit` function: decode per width, prefill, insert, cache init, slot
-moves, ...) by a proxy that first broadcasts the call (`multihost_utils.broadcast_one_to_all` of a pickled
-record) and then runs it; `follow(engine)` on every other process receives the records and makes the same calls
-on its own engine. Device arrays travel as handles: the arrays the engine holds when it is wrapped (model state,
-cache) and every output of every announced call are numbered in the same order in all processes; the leader
+only, so its program calls are announced: `lead(engine)` replaces every named program of the engine's runtime
+object (`engine.programs.fns`, glm53.runtime.programs: decode per width, prefill, insert, cache init, slot moves,
+...) by a proxy that first broadcasts the call (`multihost_utils.broadcast_one_to_all` of a pickled record, the
+program's name in it) and then runs it; `follow(engine)` on every other process receives the records and calls
+the same named program of its own engine. Device arrays travel as handles: the arrays the runtime object holds
+when it is wrapped (`Programs.held`: model state, decode states, cache) and every output of every announced call are numbered in the same order in all processes; the leader
 announces the handles it no longer holds (weak references) so the followers drop them too. Host values (tokens,
 slots, sampling parameters, masks) travel by value; a process-local device array (e.g. the all-true mask) by its
 value. Outputs come to the host as usual (a replicated output: no gather).
@@ -35,27 +35,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-_JIT = type(jax.jit(lambda x: x))
 _STOP, _CALL, _BEAT = "stop", "call", "beat"
 HEARTBEAT_S = 60.0  # the idle leader's no-op record, far below the CPU collectives' 30-minute timeout
-
-
-def _programs(engine) -> dict[tuple, object]:
-    """(attribute,) or (attribute, key) -> the engine's jitted programs, in a fixed order."""
-    out = {}
-    for name in sorted(vars(engine)):
-        v = getattr(engine, name)
-        if isinstance(v, _JIT):
-            out[(name,)] = v
-        elif isinstance(v, dict) and v and all(isinstance(f, _JIT) for f in v.values()):
-            out.update({(name, k): f for k, f in sorted(v.items())})
-    return out
-
-
-def _held_arrays(engine) -> list[jax.Array]:
-    """The device arrays the engine holds, in a fixed order (the first handles)."""
-    return [x for name in sorted(vars(engine)) for x in jax.tree.leaves(getattr(engine, name))
-            if isinstance(x, jax.Array)]  # fmt: skip
 
 
 def _broadcast(record) -> object:
@@ -79,7 +60,7 @@ class _Leader:
         self.next = 0
         self.handles: dict[int, tuple[int, weakref.ref]] = {}  # id(array) -> (handle, weak reference)
         self.dropped: list[int] = []
-        for x in _held_arrays(engine):
+        for x in engine.programs.held():
             self._register(x)
         self.lock = threading.RLock()  # one record (and its program's dispatch) at a time
         self.stopped = threading.Event()
@@ -151,7 +132,7 @@ class _Leader:
 
 
 class _Proxy:
-    """A jitted program whose calls are announced first (`Engine.compiled_programs` still counts its cache)."""
+    """A named program whose calls are announced first (`Engine.compiled_programs` still counts its cache)."""
 
     def __init__(self, leader: _Leader, key: tuple, fn):
         self.leader, self.key, self.fn = leader, key, fn
@@ -167,12 +148,9 @@ def lead(engine, heartbeat: float = HEARTBEAT_S) -> None:
     """Process 0: every jitted program of `engine` is announced to the other processes before it runs; with no
     record for `heartbeat` seconds (0: never), a no-op one goes out (module docstring: the collectives' timeout)."""
     leader = _Leader(engine, heartbeat)
-
-    for key, fn in _programs(engine).items():
-        if len(key) == 1:
-            setattr(engine, key[0], _Proxy(leader, key, fn))
-        else:
-            getattr(engine, key[0])[key[1]] = _Proxy(leader, key, fn)
+    fns = engine.programs.fns
+    for key, fn in list(fns.items()):
+        fns[key] = _Proxy(leader, key, fn)
     engine._multihost_leader = leader
 
 
@@ -192,8 +170,8 @@ class Followed(NamedTuple):
 
 def follow(engine) -> Followed:
     """Every process but 0: replays the leader's program calls on `engine` until `stop`; returns their counts."""
-    programs = _programs(engine)
-    held = _held_arrays(engine)
+    programs = dict(engine.programs.fns)
+    held = engine.programs.held()
     table, nxt, n, beats = dict(enumerate(held)), len(held), 0, 0
     while True:
         record = _broadcast(None)

@@ -37,10 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm53.generate import map_layers, map_rows
 from glm53.layers.dsa import DSACache
 from glm53.layers.kda import KDACache
 from glm53.model import Cache
+from glm53.runtime.cache import map_layers, map_rows
 
 
 @dataclasses.dataclass
@@ -102,7 +102,7 @@ class PrefixCache:
         self._blocks: collections.OrderedDict[bytes, _Block] = collections.OrderedDict()
         k, kp = block, block // kpool
 
-        # Every function below takes one layer's cache at a time (glm53.generate.map_layers): `lead` is 1 for a
+        # Every function below takes one layer's cache at a time (glm53.runtime.cache.map_layers): `lead` is 1 for a
         # scanned model's stacked caches (arrays [repeats, B, ...]: every repeat snapshot and restored at once, in
         # place), else 0; its batch axis is `lead`, its sequence axis lead + 1.
         # rows s .. s+n-1, s clamped at 0 (lax wraps a negative start); a layer that shares its indexer holds

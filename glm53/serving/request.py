@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from glm53 import sampling
+from glm53.runtime import sampling
 from glm53.serving.limits import INT32_MAX, Limits
 
 F32_MAX = float(np.finfo(np.float32).max)

@@ -222,9 +222,18 @@ def _tool(name, description, schema, where: str, names: set, limits: Limits, fn:
     return Tool(name, description or "", schema or Tool("").parameters)
 
 
-def _count(tools, limits: Limits) -> None:
+def _offered(tools, limits: Limits | None, fields) -> list[Tool]:
+    """The Tools of an API's offer: fields(i, tool) -> (name, description, schema, where, fn) of `_tool`, or a
+    ValueError for a malformed entry; at most `max_tools` of them."""
+    limits = limits or Limits()
     if len(tools) > limits.max_tools:
         raise ValueError(f"tools: at most {limits.max_tools} tools may be offered ({len(tools)} were)")
+    names: set = set()
+    out = []
+    for i, t in enumerate(tools):
+        name, description, schema, where, fn = fields(i, t)
+        out.append(_tool(name, description, schema, where, names, limits, fn))
+    return out
 
 
 def openai_tools(tools, tool_choice, param: str = "tools", limits: Limits | None = None) -> ToolMode | None:
@@ -233,16 +242,14 @@ def openai_tools(tools, tool_choice, param: str = "tools", limits: Limits | None
         if tool_choice not in (None, "none", "auto"):
             raise ValueError("tool_choice: a tool choice needs tools")
         return None
-    limits = limits or Limits()
-    _count(tools, limits)
-    out, names = [], set()
-    for i, t in enumerate(tools):
+
+    def fields(i, t):
         f = t.get("function") if isinstance(t, dict) else None
         if not isinstance(f, dict) or t.get("type", "function") != "function":
             raise ValueError(f"{param}[{i}]: expected {{'type': 'function', 'function': {{'name': ...}}}}")
-        desc, schema = f.get("description"), f.get("parameters")
-        out.append(_tool(f.get("name"), desc, schema, f"{param}[{i}]", names, limits, ".function"))
-    return _mode(out, tool_choice, "function", "tool_choice")
+        return f.get("name"), f.get("description"), f.get("parameters"), f"{param}[{i}]", ".function"
+
+    return _mode(_offered(tools, limits, fields), tool_choice, "function", "tool_choice")
 
 
 def anthropic_tools(tools, tool_choice, limits: Limits | None = None) -> ToolMode | None:
@@ -253,15 +260,13 @@ def anthropic_tools(tools, tool_choice, limits: Limits | None = None) -> ToolMod
         ):
             raise ValueError("tool_choice: a tool choice needs tools")
         return None
-    limits = limits or Limits()
-    _count(tools, limits)
-    out, names = [], set()
-    for i, t in enumerate(tools):
+
+    def fields(i, t):
         if not isinstance(t, dict):
             raise ValueError(f"tools[{i}]: expected {{'name': ..., 'input_schema': ...}}")
-        desc, schema = t.get("description"), t.get("input_schema")
-        out.append(_tool(t.get("name"), desc, schema, f"tools[{i}]", names, limits))
-    return _mode(out, tool_choice, "tool", "tool_choice")
+        return t.get("name"), t.get("description"), t.get("input_schema"), f"tools[{i}]", ""
+
+    return _mode(_offered(tools, limits, fields), tool_choice, "tool", "tool_choice")
 
 
 def _mode(tools: list[Tool], choice, named: str, param: str) -> ToolMode | None:

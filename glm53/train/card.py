@@ -10,8 +10,8 @@ Every number comes from the run's files or is measured here on the exported weig
   * `window_nll`: held-out perplexity as the loop's evaluation counts it: the split cut into ``seq_len``-token
     windows (window w = tokens [w L, (w + 1) L)), L - 1 next-token predictions per window, full windows only;
   * `unigram`: the same targets under a unigram model of the train split (add-one smoothing): the baseline;
-  * `mtp_acceptance`: greedy speculative decoding with the MTP draft (`Generator.generate_speculative`) on
-    prompts cut from the held-out split; acceptance = accepted drafts / drafts.
+  * `mtp_acceptance`: greedy speculative decoding with the MTP draft (the serving engine's, one slot:
+    `glm53.serving.offline`) on prompts cut from the held-out split; acceptance = accepted drafts / drafts.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from flax import nnx
 
 from glm53.config import ModelConfig
 from glm53.data.packing import open_tokens
-from glm53.generate import Generator
 from glm53.model import Glm53Model
+from glm53.runtime.sampling import SamplingParams
+from glm53.serving import offline
 
 CARD_VERSION = 1
 
@@ -179,11 +180,12 @@ def mtp_acceptance(
     span = len(tokens) - prompt_len
     if span < 0:
         raise ValueError(f"the split holds {len(tokens)} tokens, fewer than prompt_len {prompt_len}")
-    gen = Generator(model)
+    cut = [[int(t) for t in tokens[start : start + prompt_len]] for start in
+           (span * i // max(prompts, 1) for i in range(prompts))]  # fmt: skip
+    eng = offline.engine_for(model, cut, max_new, slots=1, speculative=True)  # one slot, its programs reused
     accepted = drafted = 0
-    for i in range(prompts):
-        start = span * i // max(prompts, 1)
-        r = gen.generate_speculative([int(t) for t in tokens[start : start + prompt_len]], max_new)
+    for prompt in cut:
+        r = offline.generate(eng, [prompt], SamplingParams(max_new=max_new))
         accepted, drafted = accepted + r.accepted, drafted + r.drafted
     return dict(prompts=prompts, prompt_len=prompt_len, max_new=max_new, accepted=accepted, drafted=drafted,
                 acceptance=accepted / drafted if drafted else None,

@@ -136,7 +136,8 @@ class Trainer:
         kw = dict(batch_size=self.rc.batch_size, seq_len=self.rc.seq_len, pad_id=self.cfg.pad_token_id)
         self.train_data = PackedLoader(os.path.join(data_dir, "train.bin"), seed=self.rc.seed, **kw)
         self.val_data = PackedLoader(os.path.join(data_dir, "validation.bin"), **kw)
-        model = Glm53Model(self.cfg, rngs=nnx.Rngs(self.rc.seed), kernels=S.TRAIN_KERNELS)
+        self.kernels = build.kernels_from_experiment_config(config)  # configs/train.py: moe "blocked"
+        model = Glm53Model(self.cfg, rngs=nnx.Rngs(self.rc.seed), kernels=self.kernels)
         self.router_names = routing.instrument_routers(model)  # module paths (a scanned group's router: once)
         self.groups = model.groups  # the trunk's grouping (ModelConfig.scan_layers): per-layer names of stats
         if distributed.is_main_process():

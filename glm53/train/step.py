@@ -29,10 +29,6 @@ from glm53.train import routing
 from glm53.train.loss import LossConfig, losses
 
 BIAS = nnx.PathContains("e_score_correction_bias")
-# Kernels of a model built for training: the routed experts run as a blocked grouped matmul (kernels.moe.blocked:
-# dropless, static shapes, differentiable); ragged_dot, the reference, costs about every expert on every row on
-# XLA:CPU (8x slower forward + backward at 2048 tokens x top-4 of 32 experts).
-TRAIN_KERNELS = {"moe": "blocked"}
 # XLA:CPU options: its YNNPACK fusions crashed (SIGSEGV in slinky::fuse_contiguous_dims) running the 6-layer tiny
 # train step with jax 0.10.2, so they are off; FAST_COMPILE halves the compile time of a train step (about a
 # minute for the tiny model on a loaded 2-core machine) for a slower step: what tests use.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels.matmul.streamed import StreamedKernel
+from kernels.matmul import api as matmul_api
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -64,10 +64,9 @@ def mixing_weights(
     b, t, n, d = x_btnd.shape
     f = x_btnd.reshape(b, t, n * d).astype(jnp.float32)
     f = f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + eps)  # unweighted RMS norm
-    if isinstance(fn, StreamedKernel):  # a decode program's weight (glm53.generate.decode_state): few rows in C++
-        m = fn.matmul(f)  # [B, T, (2+n)*n], f32 fma chains (as exact as HIGHEST)
-    else:
-        m = jnp.matmul(f, fn.astype(jnp.float32), precision=_HIGHEST)  # [B, T, (2+n)*n]
+    # fn: an array or a weight with its own product (a decode program's StreamedKernel: few rows in C++, f32 fma
+    # chains as exact as HIGHEST; kernels/matmul/api.py)
+    m = matmul_api.matmul(f, fn, precision=_HIGHEST)  # [B, T, (2+n)*n]
     base = base.astype(jnp.float32)
     scale = scale.astype(jnp.float32)
     pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps  # [B, T, n]

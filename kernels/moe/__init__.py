@@ -1,5 +1,5 @@
 """Routed-expert computation (grouped expert matmuls + weighted combine)."""
 
-from kernels.moe.api import clamped_swiglu, moe_experts
+from kernels.moe.api import IMPLEMENTATIONS, clamped_swiglu, moe_experts
 
-__all__ = ["moe_experts", "clamped_swiglu"]
+__all__ = ["IMPLEMENTATIONS", "moe_experts", "clamped_swiglu"]

@@ -1,7 +1,9 @@
 """Routed-expert kernel api: `moe_experts` (grouped expert SwiGLU + weighted combine).
 
 Weights are dense kernels (w_gate / w_up [E, D, F], w_down [E, F, D]) or `glm53.quant.qweight.QuantizedExperts`
-of those kernel shapes (any mix). Implementations:
+of those kernel shapes (any mix); decode programs' wrapped dense kernels (StreamedKernel, ExpertList) reach the
+xla_cpu decode form as they are and every other implementation unwrapped (`READS_DECODE_WEIGHTS`).
+Implementations:
 
   reference           sort slots by expert, `jax.lax.ragged_dot`, f32 accumulation; quantized weights are
                       dequantized whole first. The oracle.
@@ -148,6 +150,18 @@ _AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cpu": "xla_cpu"}  # backend 
 IMPLEMENTATIONS = (dispatch.AUTO, *_BY_SLOTS, *_IMPLEMENTATIONS)
 
 
+# The implementations that read decode programs' wrapped expert weights as they are
+# (`glm53.runtime.weights.decode_state`: kernels.matmul.streamed.StreamedKernel, kernels.moe.expert_list.ExpertList);
+# every other one gets their `unwrap()`, the plain stacked array.
+READS_DECODE_WEIGHTS = ("xla_cpu_decode",)
+
+
+def _plain(w):
+    """A decode-wrapped weight's plain array (its `unwrap()`); any other weight as it is."""
+    unwrap = getattr(w, "unwrap", None)
+    return w if unwrap is None else unwrap()
+
+
 def select_implementation(
     implementation: str,
     n_slots: int,
@@ -216,5 +230,7 @@ def moe_experts(
     if not swiglu_limit > 0:
         raise ValueError(f"moe_experts: swiglu_limit must be > 0, got {swiglu_limit}")
     name = select_implementation(implementation, t * topk_ids_tk.shape[1], decode_max_slots)
+    if name not in READS_DECODE_WEIGHTS:  # decode-wrapped weights (StreamedKernel, ExpertList) as plain arrays
+        w_gate, w_up, w_down = (_plain(w) for w in (w_gate, w_up, w_down))
     args = (x_td, topk_ids_tk, topk_w_tk, w_gate, w_up, w_down, swiglu_limit)
     return dispatch.run("moe_experts", implementation, name, _IMPLEMENTATIONS, *args)

@@ -7,8 +7,8 @@ and multiplies it straight into the tokens' f32 accumulators: y[i, t, :] = W_{id
 experts `ids` (ids outside [0, E): zeros), from the full [E, words, rows] planes (no gather). Values are decoded
 exactly as `glm53.quant.dequant` / `reencode` do; accumulation is f32 in a fixed order.
 
-Formats: IQ2_S, IQ3_S, IQ4_XS, Q8_0, Q4_K ("planes" layout) and IQ2_S_R, IQ3_S_R ("reencoded"), any block
-splits. Anything else stays on the XLA path.
+Formats (`FORMAT_CODES`, from `glm53.quant.registry`): IQ2_S, IQ3_S, IQ4_XS, Q8_0, Q4_K ("planes" layout) and
+IQ2_S_R, IQ3_S_R ("reencoded"), any block splits. Anything else stays on the XLA path.
 
 The source is compiled on first use (kernels/ffi_build.py: the system C++ compiler, a per-user cache keyed by
 a hash of the source, flags, compiler and jax version) and registered as the CPU FFI target "glm53_qmatvec".
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm53.quant import tables
+from glm53.quant import registry, tables
 from glm53.quant.planes import Planes
 from kernels import ffi_build
 
@@ -33,8 +33,9 @@ ENV = "GLM53_MOE_FFI"
 ENV_THREADS = "GLM53_MOE_FFI_THREADS"
 TARGET = "glm53_qmatvec"
 SOURCE = Path(__file__).parent / "csrc" / "qmatvec.cc"
-# format (the planes' block format name) -> the kernel's format code
-FORMAT_CODES = {"IQ2_S": 1, "IQ3_S": 2, "IQ2_S_R": 3, "IQ3_S_R": 4, "IQ4_XS": 5, "Q8_0": 6, "Q4_K": 7}
+# format (the planes' block format name) -> the kernel's format code: the registry's (backend "cpu_ffi"); the C++
+# `enum Format` must match (tests/test_expert_formats.py reads it from the source)
+FORMAT_CODES = registry.cpu_codes()
 _TABLES = {"IQ2_S": tables.GRID_WORDS["IQ2_S"], "IQ3_S": tables.GRID_WORDS["IQ3_S"]}  # grid words per entry
 
 

@@ -8,8 +8,9 @@ decode form picks expert e with a `lax.switch` whose branch e contracts `parts[e
 
 `split_experts` makes one without copying on the CPU: the parts are views of the stacked kernel's buffer
 (numpy view + `jax.device_put`, which aliases aligned host memory on the CPU backend), so the stacked array and
-its list share memory. `glm53.generate.Generator` builds its decode program's weights this way; everything
-else keeps the stacked kernels. Any implementation other than the xla_cpu decode form gets `stacked()`.
+its list share memory. `glm53.runtime.weights.decode_state` builds decode programs' weights this way; everything
+else keeps the stacked kernels. Any implementation other than the xla_cpu decode form gets `unwrap()` (the
+stacked copy; `kernels.moe.api` applies it).
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ class ExpertList:
     def stacked(self) -> jax.Array:
         """The [E, in, out] kernel (a copy)."""
         return jnp.stack(self.parts)
+
+    def unwrap(self) -> jax.Array:
+        """The plain [E, in, out] kernel an implementation other than the xla_cpu decode form reads (a copy:
+        `stacked`); `kernels.moe.api` unwraps decode weights for them."""
+        return self.stacked()
 
     def tree_flatten(self):
         return self.parts, None

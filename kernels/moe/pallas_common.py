@@ -11,7 +11,8 @@ order is the format's natural decode order, not the input order: row r of a unit
 `input_order(...)[r]`. The kernels permute the activations instead of the weights (`permute_inputs`: a
 reshape + transpose, no gather), so that `permute_inputs(x) @ decoded == x @ W^T`.
 
-Supported formats (all bit-exact with gguf-py's dequantize):
+Supported formats (the set is the registry's, `glm53.quant.registry.formats_for("pallas_tpu")`; all bit-exact
+with gguf-py's dequantize):
   IQ4_XS   16-level table by selecting one of four packed table words (no lookup)
   Q4_K     6-bit scale / min pairs, nibbles
   IQ2_S_R  gather-free IQ2_S (glm53.quant.reencode): 2-bit level codes + sign bits
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from glm53.quant import tables
+from glm53.quant import registry, tables
 from glm53.quant.formats import QuantFormat
 
 _U32 = jnp.uint32
@@ -48,10 +49,12 @@ Half16 = Callable[[str], jnp.ndarray]
 #   lookup(index) -> uint32: word `index` (uint32 [rows, N], < 512) of `lookup_table(fmt)`.
 Lookup = Callable[[jnp.ndarray], jnp.ndarray]
 
-LOOKUP_FORMATS = ("IQ2_S", "IQ3_S")
-BLOCK_FORMATS = ("IQ4_XS", "Q4_K", "IQ2_S_R", "IQ3_S_R") + LOOKUP_FORMATS
-DENSE_FORMATS = ("F32", "F16", "BF16")
-SUPPORTED = BLOCK_FORMATS + DENSE_FORMATS
+# The formats come from the registry (backend "pallas_tpu"); tests/test_expert_formats.py checks that the decoder
+# tables below name exactly these.
+SUPPORTED = registry.formats_for("pallas_tpu")
+LOOKUP_FORMATS = tuple(f for f in SUPPORTED if registry.entry(f).codebook)  # GGUF codebook layouts
+DENSE_FORMATS = tuple(f for f in SUPPORTED if registry.entry(f).dense)
+BLOCK_FORMATS = tuple(f for f in SUPPORTED if not registry.entry(f).dense)  # the gather-free ones + LOOKUP
 
 # Natural decode order of one 256-weight block: the block's input index i is reshaped to `dims` (row-major)
 # and the decoded rows run over `axes` of it: row r holds input arange(256).reshape(dims).transpose(axes)[r].
@@ -209,6 +212,22 @@ def _q4k_scale_min(s: list[jnp.ndarray]) -> tuple[list[jnp.ndarray], list[jnp.nd
             j = i - 4
             sc.append(((s[2] >> _U32(8 * j)) & _U32(15)) | (((s[0] >> _U32(8 * j + 6)) & _U32(3)) << 4))
             mn.append(((s[2] >> _U32(8 * j + 4)) & _U32(15)) | (((s[1] >> _U32(8 * j + 6)) & _U32(3)) << 4))
+    return sc, mn
+
+
+def blend(hi: jnp.ndarray, lo: jnp.ndarray, take_hi) -> jnp.ndarray:
+    """hi where `take_hi` (bool, a scalar or broadcastable) holds, else lo, for uint32 (arithmetic, no select)."""
+    m = jnp.asarray(take_hi).astype(_U32)
+    return hi * m + lo * (_U32(1) - m)
+
+
+def q4k_sub(s0, s1, s2, s):
+    """Q4_K 6-bit (scale, min) of sub-block s (uint32, may be traced) from the three scale words (the GPU
+    decoders' form of `_q4k_scale_min`)."""
+    sh = (s & _U32(3)) << 3
+    sc = blend(((s2 >> sh) & _U32(15)) | (((s0 >> (sh + 6)) & _U32(3)) << 4), (s0 >> sh) & _U32(63), s >= 4)
+    mn_hi = ((s2 >> (sh + 4)) & _U32(15)) | (((s1 >> (sh + 6)) & _U32(3)) << 4)
+    mn = blend(mn_hi, (s1 >> sh) & _U32(63), s >= 4)
     return sc, mn
 
 

@@ -29,9 +29,9 @@ as they are: the decoders here are its formats restated on 1-D lane vectors (one
 warpgroup-strided layout), reusing its element-wise helpers. The loop over a matrix's words is a fori_loop
 (small kernels, fast lowering); its input index is computed per word, so the activations need no permutation.
 
-Formats: IQ4_XS, Q4_K, Q8_0, IQ2_S_R, IQ3_S_R (the gather-free IQ2_S / IQ3_S of glm53.quant.reencode), BF16,
-F16, F32, freely mixed. The GGUF codebook layouts IQ2_S / IQ3_S (a table lookup per 8 weights) and every other
-format raise NotImplementedError (`auto` then falls back to the reference).
+Formats (`SUPPORTED`, from `glm53.quant.registry`): IQ4_XS, Q4_K, Q8_0, IQ2_S_R, IQ3_S_R (the gather-free
+IQ2_S / IQ3_S of glm53.quant.reencode), BF16, F16, F32, freely mixed. The GGUF codebook layouts IQ2_S / IQ3_S
+(a table lookup per 8 weights) and every other format raise NotImplementedError (`auto` then falls back to the reference).
 
 `interpret=True` runs the same kernel body as a `pl.pallas_call` grid in Pallas' generic interpreter on CPU (the
 static flag also leaves out `plgpu.layout_cast`, which has no CPU rule). Lowered for CUDA (e.g. `jax.export(..., platforms=["cuda"])` on
@@ -50,12 +50,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from glm53.quant import registry
 from glm53.quant.planes import Planes, check_planes
 from kernels.moe import pallas_common as C
 
 F32 = jnp.float32
 _U32 = jnp.uint32
-SUPPORTED = ("IQ4_XS", "Q4_K", "Q8_0", "IQ2_S_R", "IQ3_S_R", "BF16", "F16", "F32")
+SUPPORTED = registry.formats_for("pallas_gpu")  # `_DECODERS` below names exactly these (tested)
 _DENSE_UNIT = 16  # inputs per loop step of the dense formats
 
 
@@ -75,7 +76,7 @@ def check_matrix(p: Planes, tile: int, what: str) -> None:
     rows, cols = p.shape
     if rows % tile:
         raise NotImplementedError(f"pallas_gpu moe: {what}: {rows} output rows are not a multiple of {tile}")
-    if p.fmt.name in C.DENSE_FORMATS and cols % (_DENSE_UNIT * p.block_splits):
+    if registry.entry(p.fmt.name).dense and cols % (_DENSE_UNIT * p.block_splits):
         raise NotImplementedError(
             f"pallas_gpu moe: {what}: {p.fmt.name} needs a multiple of {_DENSE_UNIT} inputs per block group, "
             f"got {cols} in {p.block_splits}"
@@ -112,12 +113,6 @@ def _i(v) -> jnp.ndarray:
     return jnp.asarray(v).astype(jnp.int32)
 
 
-def _blend(hi: jnp.ndarray, lo: jnp.ndarray, take_hi) -> jnp.ndarray:
-    """hi where the scalar `take_hi` (bool) holds, else lo, for uint32 vectors (arithmetic, no select)."""
-    m = _u(take_hi)
-    return hi * m + lo * (_U32(1) - m)
-
-
 def _dec_iq4_xs(word, half16, g):
     d = C.f16_bits_to_f32(half16("d"))
     ib, jj = g >> 2, g & _U32(3)  # qs word g = 4 ib + jj
@@ -134,16 +129,6 @@ def _dec_iq4_xs(word, half16, g):
     return out
 
 
-def _q4k_sub(s0, s1, s2, s):
-    """6-bit (scale, min) of sub-block s (uint32 scalar, traced) from the three scale words."""
-    sh = (s & _U32(3)) << 3
-    sc = _blend(((s2 >> sh) & _U32(15)) | (((s0 >> (sh + 6)) & _U32(3)) << 4), (s0 >> sh) & _U32(63), s >= 4)
-    mn = _blend(
-        ((s2 >> (sh + 4)) & _U32(15)) | (((s1 >> (sh + 6)) & _U32(3)) << 4), (s1 >> sh) & _U32(63), s >= 4
-    )
-    return sc, mn
-
-
 def _dec_q4_k(word, half16, g):
     d, dmin = C.f16_bits_to_f32(half16("d")), C.f16_bits_to_f32(half16("dmin"))
     s0, s1, s2 = (word("scales", i) for i in range(3))
@@ -151,7 +136,7 @@ def _dec_q4_k(word, half16, g):
     q = word("qs", _i(g))
     out = []
     for k in range(2):  # nibble k: sub-block 2 c + k
-        sc, mn = _q4k_sub(s0, s1, s2, (c << 1) + _U32(k))
+        sc, mn = C.q4k_sub(s0, s1, s2, (c << 1) + _U32(k))
         dl, ml = d * C._to_f32(sc), dmin * C._to_f32(mn)
         for bb in range(4):  # input 64 c + 32 k + 4 jj + bb
             code = C._to_f32((q >> _U32(8 * bb + 4 * k)) & _U32(15))
@@ -232,7 +217,7 @@ _DECODERS: dict[str, tuple[Callable, int]] = {
 def unit_layout(p: Planes) -> tuple[int, dict[str, int]]:
     """(inputs per unit, words per unit of each unpaired field) of a matrix; units are blocks, or 16 inputs of
     the dense formats."""
-    if p.fmt.name in C.DENSE_FORMATS:
+    if registry.entry(p.fmt.name).dense:
         return _DENSE_UNIT, {"w": _DENSE_UNIT * (4 if p.fmt.name == "F32" else 2) // 4}
     return p.fmt.block_size, {f.name: f.nbytes // 4 for f in p.fmt.fields if f.nbytes % 4 == 0}
 
@@ -244,6 +229,31 @@ def _paired_word(b, n_blocks: int, block_splits: int):
     grp = b // k
     r = b - grp * k
     return grp * kp + r // 2, _u(r & 1)
+
+
+def decode_matrix(p: Planes, expert: int = 0) -> jnp.ndarray:
+    """f32 [cols, rows]: W^T of one expert (input order), decoded by the kernel's per-step decoders on whole
+    plane rows (plain jnp, vmapped over the steps: the tests' numerical check of the decoders the kernel runs)."""
+    dec, steps = _DECODERS[p.fmt.name]
+    unit, wpu = unit_layout(p)
+    n_units = p.cols // unit
+    planes = {k: jnp.asarray(v[expert]) for k, v in p.fields.items()}
+
+    def step(q):
+        b, g = q // steps, q % steps
+
+        def word(field, i):
+            return planes[field][b * wpu[field] + i]
+
+        def half16(field):
+            w, half = _paired_word(b, n_units, p.block_splits)
+            return (planes[field][w] >> (half << 4)) & _U32(0xFFFF)
+
+        pieces = dec(word, half16, _u(g))
+        return jnp.stack([b * unit + k for k, _ in pieces]), jnp.stack([v for _, v in pieces])
+
+    ks, vals = jax.vmap(step)(jnp.arange(n_units * steps, dtype=jnp.int32))
+    return jnp.zeros((p.cols, p.rows), F32).at[ks.reshape(-1)].set(vals.reshape(-1, p.rows))
 
 
 # ------------------------------------------------------------------------------------------- the kernel

@@ -1,6 +1,6 @@
 """Pallas GPU routed experts for few tokens (decode): cost follows the distinct experts of the step.
 
-The distinct experts of the step are found in XLA (`pallas_tpu_decode.distinct_experts`: sorted, padded to
+The distinct experts of the step are found in XLA (`routing.expert_combine`: sorted, padded to
 min(T K, E) by repeating the last one) and the tokens padded into groups of `token_group` rows. Kernel 1 runs
 `pallas_gpu.grouped_matvec` over programs (distinct expert u, token group) x F lane blocks: expert u's gate and
 up words are read once per token group and lane block, decoded in registers and applied to the group's tokens,
@@ -22,7 +22,7 @@ from glm53.quant.planes import Planes
 from kernels.moe import pallas_gpu as G
 from kernels.moe import pallas_gpu_prefill as KP
 from kernels.moe import pallas_gpu_wgmma as W
-from kernels.moe.pallas_tpu_decode import distinct_experts
+from kernels.moe import routing
 
 __all__ = ["moe_decode", "decode_schedule"]
 
@@ -70,7 +70,7 @@ def moe_decode(
         return KP.prefill_wgmma(x_td, ids_tk, w_tk, gate, up, down, swiglu_limit, interpret)
     d = x_td.shape[1]
     e, f = gate.lead_shape[0], gate.rows
-    uids, nv, combine = distinct_experts(ids_tk, w_tk, e)  # combine [U, T]
+    uids, nv, combine = routing.expert_combine(ids_tk, w_tk, e)  # combine [U, T]
     u_max = uids.shape[0]
     tg = min(token_group, t)  # one step's tokens when fewer: no FMAs on padding rows
     n_groups = -(-t // tg)

@@ -1,7 +1,7 @@
 """Pallas GPU routed experts for many tokens (prefill): a ragged grouped matmul over slots sorted by expert.
 
 (token, expert) slots are sorted by expert and each expert's group padded to row tiles of `row_tile` rows
-(`pallas_tpu_prefill.prefill_tiles`, XLA). `pallas_gpu.grouped_matvec` then runs over programs (row tile) x
+(`routing.prefill_tiles`, XLA). `pallas_gpu.grouped_matvec` then runs over programs (row tile) x
 lane blocks: the tile's expert words are read, decoded in registers and applied to the tile's rows (gate + up +
 clamped SwiGLU in one kernel, down in a second); XLA applies the routing weights and sums the slots of each
 token. Tiles past the real ones do nothing. Each expert's words are read once per row tile of its group (from
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from glm53.quant.planes import Planes
 from kernels.moe import pallas_gpu as G
 from kernels.moe import pallas_gpu_wgmma as W
-from kernels.moe.pallas_tpu_prefill import prefill_tiles
+from kernels.moe import routing
 
 __all__ = ["moe_prefill", "prefill_wgmma"]
 
@@ -49,7 +49,7 @@ def moe_prefill(
         return prefill_wgmma(x_td, ids_tk, w_tk, gate, up, down, swiglu_limit, interpret)
     t, k = ids_tk.shape
     e, d = gate.lead_shape[0], gate.cols
-    meta = prefill_tiles(ids_tk, e, row_tile)
+    meta = routing.prefill_tiles(ids_tk, e, row_tile)
     te, n_tiles, row_token = meta["tile_expert"], meta["n_tiles"], meta["row_token"]
     nt = te.shape[0]
     ok = (row_token >= 0)[:, None]
@@ -72,7 +72,7 @@ def prefill_wgmma(x_td, ids_tk, w_tk, gate, up, down, swiglu_limit, interpret=Fa
     64-row tiles, gate + up + SwiGLU, then down, combined in XLA."""
     t, k = ids_tk.shape
     e, d = gate.lead_shape[0], gate.cols
-    meta = prefill_tiles(ids_tk, e, W.ROWS)
+    meta = routing.prefill_tiles(ids_tk, e, W.ROWS)
     te, n_tiles, row_token = meta["tile_expert"], meta["n_tiles"], meta["row_token"]
     rows = jnp.where((row_token >= 0)[:, None], x_td[jnp.maximum(row_token, 0)], 0).astype(jnp.bfloat16)
     rows = rows[:, jnp.asarray(W.input_order(gate))]  # gate and up share one format, hence one order

@@ -11,8 +11,9 @@ input order) and end in the clamped SwiGLU on the accumulators; down runs the sa
 in the format's decode order (piece-major: every word's first code, then its second, ...), so the activations
 are permuted once in XLA (`input_order`). Nothing dequantized reaches HBM.
 
-Formats (gate and up of one format; down any of them): IQ4_XS, Q4_K, IQ3_S_R (two blocks a chunk, CK 512),
-IQ2_S_R (four blocks, CK 1024 in two pipeline steps of 8 pieces), Q8_0 (eight blocks, CK 256), BF16 (128 inputs). `supports(gate, up, down)` says whether this path applies;
+Formats (`SUPPORTED`, from `glm53.quant.registry`; gate and up of one format, down any of them): IQ4_XS, Q4_K,
+IQ3_S_R (two blocks a chunk, CK 512), IQ2_S_R (four blocks, CK 1024 in two pipeline steps of 8 pieces), Q8_0
+(eight blocks, CK 256), BF16 (128 inputs). `supports(gate, up, down)` says whether this path applies;
 `kernels.moe.pallas_gpu_prefill` falls back to its CUDA-core kernel otherwise. `interpret=True` runs the kernels
 in the Mosaic GPU interpreter (`InterpretGPUParams`: simulates TMA, barriers and wgmma on CPU).
 """
@@ -31,9 +32,9 @@ from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # no
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from glm53.quant import registry
 from glm53.quant.planes import Planes
 from kernels.moe import pallas_common as C
-from kernels.moe.pallas_gpu import _q4k_sub
 
 F32, BF16, U32 = jnp.float32, jnp.bfloat16, jnp.uint32
 ROWS = 64  # slots per row tile: the wgmma M
@@ -87,7 +88,7 @@ def _q4_k(q, r, vec):  # 2 blocks: row r = word 32 blk + 8 c + jj
     out = []
     for s in range(8):  # s = 2 bb + k: nibble k of byte bb, sub-block 2 c + k
         bb, k = s // 2, s % 2
-        sc, mn = _q4k_sub(s0, s1, s2, (c << 1) + U32(k))
+        sc, mn = C.q4k_sub(s0, s1, s2, (c << 1) + U32(k))
         code = C._to_f32((q >> U32(8 * bb + 4 * k)) & U32(15))
         out.append(d * C._to_f32(sc) * code - dmin * C._to_f32(mn))
     return out
@@ -127,6 +128,7 @@ SPECS = {
     "Q8_0": Spec("qs", 8, 4, _q8_0, lambda s, r: 32 * (r // 8) + 4 * (r % 8) + s),
     "BF16": Spec("w", 128, 2, _bf16, lambda s, r: 2 * r + s),
 }  # fmt: skip
+SUPPORTED = registry.formats_for("pallas_gpu_wgmma")  # SPECS names exactly these (tests/test_expert_formats.py)
 
 
 def chunk_inputs(p: Planes) -> int:
@@ -151,11 +153,37 @@ def supports(gate: Planes, up: Planes, down: Planes) -> str | None:
     if gate.fmt.name != up.fmt.name:
         return f"gate {gate.fmt.name} and up {up.fmt.name} differ (they share the activation tile)"
     for name, p in (("gate", gate), ("up", up), ("down", down)):
-        if p.fmt.name not in SPECS:
-            return f"{name}: no tensor-core decoder for {p.fmt.name} (have {', '.join(SPECS)})"
+        if p.fmt.name not in SUPPORTED:
+            return f"{name}: no tensor-core decoder for {p.fmt.name} (have {', '.join(SUPPORTED)})"
         if p.rows % TN or p.cols % (chunk_inputs(p) * p.block_splits):
             return f"{name}: {p.shape} in {p.block_splits} block groups does not tile by {TN} x {chunk_inputs(p)}"
     return None
+
+
+def decode_chunk(name: str, fields) -> list[jnp.ndarray]:
+    """One chunk's pieces (f32 [64, N] each, piece-major decode order) from its words (field -> uint32
+    [words of the chunk, N], arrays or refs), as the kernel decodes them in interpret mode."""
+    spec = SPECS[name]
+    main = fields[spec.main][...]
+    r = lax.broadcasted_iota(U32, main.shape, 0)
+
+    def vec(field, w):
+        return jnp.broadcast_to(fields[field][w], main.shape)
+
+    return spec.decode(main, r, vec)
+
+
+def decode_matrix(p: Planes, expert: int = 0) -> jnp.ndarray:
+    """f32 [cols, rows]: W^T of one expert in `input_order(p)` (row k holds input input_order(p)[k]), decoded
+    chunk by chunk by `decode_chunk` (plain jnp; the tests' numerical check of the tensor-core decoders)."""
+    out = []
+    for c in range(p.cols // chunk_inputs(p)):
+        words = {}
+        for f in p.fmt.fields:
+            n = _field_rows(p, f)
+            words[f.name] = jnp.asarray(p.fields[f.name][expert, c * n : (c + 1) * n])
+        out.append(jnp.concatenate(decode_chunk(p.fmt.name, words), axis=0))
+    return jnp.concatenate(out, axis=0)
 
 
 def _swizzled(cols: int, itemsize: int):
@@ -182,10 +210,7 @@ def _kernel(te_ref, nt_ref, x_gmem, *refs, mats, limit, interpret):
         spec = SPECS[p.fmt.name]
         fields = {f.name: s for f, s in zip(p.fmt.fields, smems)}
         if interpret:  # the interpreter has no layouts (and no plgpu.load)
-            r = lax.broadcasted_iota(U32, (WORDS, TN), 0)
-
-            def vec(field, w):
-                return jnp.broadcast_to(fields[field][w], (WORDS, TN))
+            pieces = decode_chunk(p.fmt.name, fields)
         else:
             r = plgpu.broadcasted_iota(U32, (WORDS, TN), 0, layout=plgpu.Layout.WGMMA)
 
@@ -193,7 +218,7 @@ def _kernel(te_ref, nt_ref, x_gmem, *refs, mats, limit, interpret):
                 v = plgpu.load(fields[field].at[w], (), layout=col)
                 return lax.broadcast_in_dim(v, (WORDS, TN), (1,))
 
-        pieces = spec.decode(fields[spec.main][...], r, vec)
+            pieces = spec.decode(fields[spec.main][...], r, vec)
         n = len(pieces) // halves
         for s, piece in enumerate(pieces[half * n : (half + 1) * n]):
             b_smem[s * WORDS : (s + 1) * WORDS, :] = piece.astype(BF16)

@@ -42,22 +42,7 @@ from kernels.moe.reference import clamped_swiglu
 __all__ = ["moe_decode", "distinct_experts", "gate_up_decode", "down_decode"]
 
 
-def distinct_experts(ids_tk: jnp.ndarray, w_tk: jnp.ndarray, n_experts: int):
-    """The step's distinct experts: (uids [U] int32, n_valid [1] int32, combine [U, T] f32), U = min(T K, E).
-
-    uids: the distinct ids in ascending order, padded past n_valid with the last one (0 if none);
-    combine[u, t] = sum_k w[t, k] [ids[t, k] == uids[u]] for u < n_valid, else 0. Ids outside [0, E) are
-    empty slots.
-    """
-    t, k = ids_tk.shape
-    uniq, nv = routing.distinct_experts(ids_tk, n_experts)  # ascending; E (empty) sorts last
-    key = routing.clean_ids(ids_tk, n_experts).reshape(t, k)
-    last = uniq[jnp.maximum(nv - 1, 0)]
-    slot = jnp.arange(uniq.shape[0])
-    uids = jnp.clip(jnp.where(slot < nv, uniq, last), 0, n_experts - 1).astype(jnp.int32)
-    hit = (key[None, :, :] == uids[:, None, None]) & (slot < nv)[:, None, None]  # [U, T, K]
-    combine = jnp.sum(jnp.where(hit, w_tk.astype(F32)[None], 0.0), axis=-1)
-    return uids, nv.reshape(1), combine
+distinct_experts = routing.expert_combine  # moved to routing (shared with pallas_gpu_decode)
 
 
 def _decode_maps(n_lane_blocks: int):

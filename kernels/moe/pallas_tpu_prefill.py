@@ -41,37 +41,7 @@ from kernels.moe.reference import clamped_swiglu
 __all__ = ["moe_prefill", "prefill_tiles"]
 
 
-def prefill_tiles(ids_tk: jnp.ndarray, n_experts: int, row_tile: int):
-    """Slots sorted by expert and padded to row tiles (XLA, jit-able).
-
-    Returns a dict: tile_expert [NT] int32 (expert of each row tile; tiles past n_tiles repeat the last real
-    one), n_tiles [1] int32 (real tiles), row_token [NT * row_tile] int32 (token of each padded row, -1 for
-    padding), dest [T K] int32 (padded row of each slot, flat slot order t * K + k; -1 for empty slots).
-    NT = G + (T K - G) // row_tile with G = min(E, T K): the most row tiles any routing can need.
-    """
-    t, k = ids_tk.shape
-    s, tm = t * k, row_tile
-    key, order, sizes, g_off = routing.sort_by_expert(ids_tk, n_experts)  # [S], [S], [E], [E]
-    tiles = (sizes + tm - 1) // tm  # [E]
-    t_end = jnp.cumsum(tiles)
-    t_off = t_end - tiles
-    nvt = t_end[-1].astype(jnp.int32)
-    g = min(n_experts, s)
-    nt = g + (s - g) // tm
-    i = jnp.arange(nt)
-    te = jnp.searchsorted(t_end, jnp.minimum(i, jnp.maximum(nvt - 1, 0)), side="right")
-    te = jnp.clip(te, 0, n_experts - 1).astype(jnp.int32)
-    rows = jnp.arange(nt * tm)
-    e_row = te[rows // tm]
-    rank = rows - t_off[e_row] * tm  # position within the expert's group
-    ok = (rows // tm < nvt) & (rank < sizes[e_row])
-    src = jnp.clip(g_off[e_row] + rank, 0, s - 1)
-    row_token = jnp.where(ok, order[src] // k, -1).astype(jnp.int32)
-    q = jnp.arange(s)  # sorted position
-    e_sorted = jnp.minimum(key[order], n_experts - 1)
-    dest_sorted = jnp.where(key[order] < n_experts, t_off[e_sorted] * tm + q - g_off[e_sorted], -1)
-    dest = jnp.zeros((s,), jnp.int32).at[order].set(dest_sorted.astype(jnp.int32))
-    return {"tile_expert": te, "n_tiles": nvt.reshape(1), "row_token": row_token, "dest": dest}
+prefill_tiles = routing.prefill_tiles  # moved to routing (shared with pallas_gpu_prefill)
 
 
 def _prefill_maps(shifted: bool = False):

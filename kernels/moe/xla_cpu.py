@@ -8,7 +8,7 @@ expert no slot was routed to) and, per expert, read its weights once:
   orientation (a gather + transpose of several experts, as `xla_quant` does, costs more than the matmuls
   themselves on CPU). XLA:CPU still copies that slice before the dot; the decode form also takes
   `ExpertList`s (kernels/moe/expert_list.py: one array per expert, picked by a `lax.switch`, no copy), which
-  is what `glm53.generate.Generator` decodes with;
+  is what decode programs read on CPU (`glm53.runtime.weights.decode_state`);
 - `QuantizedExperts`: the experts' planes are gathered and dequantized once, a chunk of experts at a time
   outside any loop (decode: one expert per chunk, so its f32 weights are still in cache when its matmuls read
   them; prefill: 8), each chunk skipped by a `lax.cond` when it holds no routed expert.

@@ -24,6 +24,8 @@ namespace {
 constexpr int kLanes = 16;  // output rows per tile
 constexpr int kMaxFields = 5;
 
+// The format codes are glm53.quant.registry's `cpu_code`s (kernels/moe/cpu_ffi.py FORMAT_CODES); a test reads this
+// enum, n_fields and the decode switch from the source and checks them against the registry.
 enum Format : int64_t { IQ2_S = 1, IQ3_S = 2, IQ2_S_R = 3, IQ3_S_R = 4, IQ4_XS = 5, Q8_0 = 6, Q4_K = 7 };
 
 int block_size(int64_t fmt) { return fmt == Q8_0 ? 32 : 256; }

@@ -8,11 +8,13 @@ Per stream b (all parameters may be scalars or arrays [B]):
         the tokens before it is < p (the smallest prefix with mass >= p; the most likely token is always kept);
     and draw from the renormalized distribution with the stream's own key.
 k <= 0 disables top-k; p >= 1 disables top-p. `filtered_logprobs` exposes the exact distribution sampled from.
-`check_params` is the domain every caller's parameters must be in (entry points validate flags with it).
+`check_params` is the domain every caller's parameters must be in (entry points validate flags with it);
+`SamplingParams` holds a caller's parameters (checked) and `check_prompts` the prompts' domain.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
@@ -32,6 +34,49 @@ def check_params(temperature=0.0, top_p=1.0, top_k=0) -> None:
         raise ValueError(f"top_p={top_p!r}: must be in (0, 1] (1 = off)")
     if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
         raise ValueError(f"top_k={top_k!r}: must be an integer >= 0 (0 = off)")
+
+
+def _check_count(name: str, v, minimum: int = 0) -> None:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
+        raise ValueError(f"{name}={v!r}: must be an integer >= {minimum}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample; ValueError naming the field for values outside their domain (`sampling.check_params`,
+    max_new >= 0: 0 generates nothing)."""
+
+    temperature: float = 0.0  # 0 -> greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 -> no top-k filter
+    max_new: int = 32
+    eos_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self):
+        check_params(self.temperature, self.top_p, self.top_k)
+        _check_count("max_new", self.max_new)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
+            raise ValueError(f"seed={self.seed!r}: must be an integer")
+
+
+def check_prompts(prompts, vocab_size: int, max_len: int, max_new: int = 0) -> None:
+    """ValueError unless `prompts` is a non-empty list of non-empty lists of token ids (ints, not bools) in
+    [0, vocab_size), each with room for `max_new` more tokens within `max_len` positions."""
+    if not isinstance(prompts, list) or not prompts:
+        raise ValueError("expected a non-empty list of prompts")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, list) or not p:
+            raise ValueError(f"prompt {i}: every prompt needs at least one token")
+        bad = [t for t in p if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if bad:
+            raise ValueError(f"prompt {i}: token ids must be integers, got {bad[:5]}")
+        out = [t for t in p if not 0 <= t < vocab_size]
+        if out:
+            raise ValueError(f"prompt {i}: token ids outside the vocabulary [0, {vocab_size}): {out[:5]}")
+        if len(p) + max_new > max_len:
+            raise ValueError(f"prompt {i}: {len(p)} tokens + max_new {max_new} exceed the model's "
+                             f"max_position_embeddings {max_len}")  # fmt: skip
 
 
 def _per_stream(x, b: int, dtype) -> jax.Array:

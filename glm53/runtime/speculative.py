@@ -1,4 +1,5 @@
-"""MTP speculative decoding inside the engine's batched step (`Engine(..., speculative=True)`).
+"""MTP speculative decoding inside the batched decode step: the speculative variant of the runtime's programs
+(`Programs(..., speculative=True)`, glm53.runtime.programs; `Engine(..., speculative=True)` runs it).
 
 Every slot holds its pending token x (emitted, not yet fed: position n = its cache length) and the MTP block's
 draft d for the token after x. One step feeds [x, d] to every slot (T = 2) and reads two tokens: y0 after x
@@ -27,11 +28,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from glm53 import sampling
-from glm53.generate import map_layers
 from glm53.layers.kda import KDACache
 from glm53.model import Cache
-from glm53.serving import programs as P
+from glm53.runtime import sampling
+from glm53.runtime.cache import map_layers, write_rows
 
 
 def _with_first(cache: Cache) -> Cache:
@@ -57,7 +57,7 @@ def _roll_back(cache: Cache, keep: jnp.ndarray) -> Cache:
 
 
 def build(graphdef, keys):
-    """The speculative decode, prefill and insert functions (see the module docstring; not compiled: the engine
+    """The speculative decode, prefill and insert functions (see the module docstring; not compiled: `Programs`
     compiles them); `keys(seeds, counts)` makes the per-slot sampling keys."""
     gd = graphdef
 
@@ -92,12 +92,12 @@ def build(graphdef, keys):
 
     def insert(state, cache, staging, slots, logits, h_last, mask, seed, temp, top_p, top_k):
         """-> int32 [w, 2] (first token, its draft) per staging row and the cache with row i in slot `slots[i]`
-        (rows with a negative slot are not written: glm53.serving.programs.write_rows)."""
+        (rows with a negative slot are not written: glm53.runtime.cache.write_rows)."""
         m = nnx.merge(gd, state)
         logits = jnp.where(mask, logits, -jnp.inf)  # [w, V]: a constrained request's first token
         tok = sampling.sample(logits, keys(seed, jnp.zeros_like(slots)), temp, top_p, top_k)
         dl, staging = m.mtp_logits(h_last, tok[:, None], cache=staging)
         draft = jnp.argmax(dl[:, -1], axis=-1).astype(jnp.int32)
-        return jnp.stack([tok, draft], axis=1), P.write_rows(cache, staging, slots)
+        return jnp.stack([tok, draft], axis=1), write_rows(cache, staging, slots)
 
     return decode, prefill, insert

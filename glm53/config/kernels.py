@@ -1,0 +1,82 @@
+"""The ``kernels`` section of an experiment config: which implementation runs each kernel op.
+
+`KernelConfig` names one implementation per op of `kernels/` (the `implementation=` argument of its api.py).
+Every field defaults to "auto" (the backend's best: each op's `_AUTO` table, resolved by `kernels.dispatch`), the
+one default of models, entry points and training alike; a config that wants another sets it (configs/train.py:
+``kernels.moe = "blocked"``; ``--config.kernels.moe=reference`` on the command line).
+
+The valid names come from the kernel packages themselves (`OPS`: each op's ``IMPLEMENTATIONS``), so this module
+sits just above `kernels` in the layering (docs/architecture.md §14), not with the other config dataclasses:
+`glm53.config` does not re-export it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from glm53.config.fields import field_error, from_dict
+from glm53.errors import ConfigError
+from kernels import dispatch
+from kernels.kda import api as kda_api
+from kernels.mhc import api as mhc_api
+from kernels.moe import api as moe_api
+from kernels.sparse_mla import api as sparse_mla_api
+
+# op -> the implementation names its api takes (including "auto"), from the op's own package
+OPS: dict[str, tuple[str, ...]] = {
+    "mhc": tuple(mhc_api.IMPLEMENTATIONS),  # kernels.mhc.api.mhc_pre / mhc_post: the hyper-connection sites
+    "kda": tuple(kda_api.IMPLEMENTATIONS),  # kernels.kda.api.chunk_kda / recurrent_kda: KDA attention
+    "sparse_mla": tuple(sparse_mla_api.IMPLEMENTATIONS),  # kernels.sparse_mla.api.sparse_mla: DSA attention
+    "moe": tuple(moe_api.IMPLEMENTATIONS),  # kernels.moe.api.moe_experts: the routed experts
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """The implementation of each kernel op (the ``kernels`` section of an experiment config).
+
+    mhc: the mHC sites (kernels/mhc); kda: KDA attention (kernels/kda); sparse_mla: DSA attention over the
+    indexer's selection (kernels/sparse_mla); moe: the routed experts (kernels/moe; its decode / prefill form by
+    routed slots, `QuantConfig.decode_max_slots`). Each one of `OPS[op]`; "auto" (the default) is the backend's
+    best. An unknown name is a ConfigError naming the field ``kernels.<op>`` and the valid choices.
+    """
+
+    mhc: str = dispatch.AUTO
+    kda: str = dispatch.AUTO
+    sparse_mla: str = dispatch.AUTO
+    moe: str = dispatch.AUTO
+
+    def __post_init__(self):
+        for op, valid in OPS.items():
+            name = getattr(self, op)
+            if name not in valid:
+                raise field_error(
+                    f"kernels.{op}", f"unknown implementation {name!r}; expected one of {list(valid)}"
+                )
+
+    def replace(self, **changes: str) -> KernelConfig:
+        """A copy with `changes` (op -> implementation), validated; an unknown op is a ConfigError."""
+        unknown = sorted(set(changes) - set(OPS))
+        if unknown:
+            raise ConfigError(f"kernels config: unknown ops {unknown}; valid ops are {sorted(OPS)}")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
+
+
+def kernel_config_from_dict(d: Any) -> KernelConfig:
+    """A KernelConfig from the ``kernels`` ConfigDict / dict (missing ops: "auto"); unknown ops are an error."""
+    return from_dict(KernelConfig, d, "kernels config")
+
+
+def kernel_config(value: KernelConfig | Mapping[str, str] | None) -> KernelConfig:
+    """`value` as a KernelConfig: None -> KernelConfig() (every op "auto"); a mapping or ConfigDict through
+    `kernel_config_from_dict` (the same validation); a KernelConfig as it is."""
+    if value is None:
+        return KernelConfig()
+    if isinstance(value, KernelConfig):
+        return value
+    return kernel_config_from_dict(value)
