@@ -8,6 +8,8 @@ back to "reference", logging the reason once per (op, implementation, reason).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
 from collections.abc import Callable, Collection, Mapping
@@ -19,6 +21,21 @@ REFERENCE = "reference"
 
 _log = logging.getLogger(__name__)
 
+# Set while a loss is traced for its gradient (`differentiable()`): "auto" then picks an op's differentiable
+# implementation where the backend's best has no reverse mode (the CPU experts' loops of dynamic length).
+_DIFFERENTIABLE = contextvars.ContextVar("glm53_kernels_differentiable", default=False)
+
+
+@contextlib.contextmanager
+def differentiable():
+    """Within it, "auto" resolves to each op's `auto_differentiable` choice (glm53.train's loss traces the model
+    inside it): one `auto` default serves inference and training alike."""
+    token = _DIFFERENTIABLE.set(True)
+    try:
+        yield
+    finally:
+        _DIFFERENTIABLE.reset(token)
+
 
 def resolve(
     op: str,
@@ -26,13 +43,17 @@ def resolve(
     valid: Collection[str],
     auto: Mapping[str, str],
     backend: str | None = None,
+    auto_differentiable: str | None = None,
 ) -> str:
     """`implementation` itself, or for "auto" `auto[backend]` (default `jax.default_backend()`; "reference" for
-    a backend not in `auto`). A name not in `valid` raises ValueError."""
+    a backend not in `auto`), or `auto_differentiable` when given and inside `differentiable()`. A name not in
+    `valid` raises ValueError."""
     if implementation not in valid:
         raise ValueError(f"{op}: unknown implementation {implementation!r}; valid: {sorted(valid)}")
     if implementation != AUTO:
         return implementation
+    if auto_differentiable is not None and _DIFFERENTIABLE.get():
+        return auto_differentiable
     return auto.get(backend or jax.default_backend(), REFERENCE)
 
 

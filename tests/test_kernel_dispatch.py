@@ -103,3 +103,17 @@ def test_unknown_implementation_raises():
         ValueError, match="chunk_kda: unknown implementation 'fastest'; valid: \\['auto', 'reference', 'xla_cpu'\\]"
     ):
         CASES["chunk_kda"][2]("fastest")
+
+
+def test_auto_picks_the_differentiable_experts_where_a_gradient_is_taken():
+    """One "auto" default for inference and training: inside `dispatch.differentiable()` (the training loss) the
+    experts resolve to the grouped matmul, whose reverse mode exists; outside, to the backend's best. Explicit
+    names are never changed."""
+    from kernels.moe import api as moe_api
+
+    assert moe_api.select_implementation("auto", 4, backend="cpu") == "xla_cpu_decode"
+    with dispatch.differentiable():
+        assert moe_api.select_implementation("auto", 4, backend="cpu") == "blocked"
+        assert moe_api.select_implementation("auto", 4, backend="tpu") == "blocked"
+        assert moe_api.select_implementation("reference", 4, backend="cpu") == "reference"
+    assert moe_api.select_implementation("auto", 400, backend="cpu") == "xla_cpu_prefill"

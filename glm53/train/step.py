@@ -27,6 +27,7 @@ from glm53 import dims, parallel
 from glm53.layers.param import path_str
 from glm53.train import routing
 from glm53.train.loss import LossConfig, losses
+from kernels import dispatch
 
 BIAS = nnx.PathContains("e_score_correction_bias")
 # XLA:CPU options: its YNNPACK fusions crashed (SIGSEGV in slinky::fuse_contiguous_dims) running the 6-layer tiny
@@ -167,7 +168,8 @@ def load_stats(loads: dict) -> dict:
 def make_loss_fn(graphdef, rest, loss_cfg: LossConfig, compute_dtype, router_names):
     def loss_fn(params, biases, batch):
         model = nnx.merge(graphdef, cast_params(params, compute_dtype), biases, rest)
-        return losses(model, batch, loss_cfg, router_names)
+        with dispatch.differentiable():  # "auto" kernels pick their differentiable form (kernels/dispatch.py)
+            return losses(model, batch, loss_cfg, router_names)
 
     return loss_fn
 

@@ -147,6 +147,9 @@ _IMPLEMENTATIONS = {
 # pick <name>_decode / <name>_prefill by routed slots
 _BY_SLOTS = ("xla_quant", "xla_cpu", "pallas_tpu", "pallas_gpu")
 _AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cpu": "xla_cpu"}  # backend -> what "auto" runs
+# What "auto" runs where a gradient is taken (`kernels.dispatch.differentiable`, glm53.train's loss): the experts
+# above loop over a dynamic number of distinct experts (no reverse mode); the grouped matmul has one.
+AUTO_DIFFERENTIABLE = "blocked"
 IMPLEMENTATIONS = (dispatch.AUTO, *_BY_SLOTS, *_IMPLEMENTATIONS)
 
 
@@ -174,7 +177,7 @@ def select_implementation(
     pallas_tpu / pallas_gpu then take their decode form when n_slots <= decode_max_slots, else their prefill form. Unknown names raise
     ValueError.
     """
-    name = dispatch.resolve("moe_experts", implementation, IMPLEMENTATIONS, _AUTO, backend)
+    name = dispatch.resolve("moe_experts", implementation, IMPLEMENTATIONS, _AUTO, backend, AUTO_DIFFERENTIABLE)
     if name in _BY_SLOTS:
         name += "_decode" if n_slots <= decode_max_slots else "_prefill"
     return name
