@@ -45,7 +45,7 @@ from glm53.runtime import speculative as spec
 from glm53.runtime.cache import move, narrow, put, write_rows
 from glm53.runtime.weights import decode_state
 
-# XLA:CPU options of every program on CPU (`cpu_options`; a caller's compiler_options are added on top).
+# XLA:CPU options of every program but prefill on CPU (`cpu_options`; a caller's compiler_options on top).
 # YNNPACK fusions off: XLA:CPU turns the decode step's multi-row dots ([b, 256] x [256, 512] on glm53-mini) into
 # YNNPACK fusions that ran slower than its own dot emitter / Eigen; a 1-row dot is a gemv either way. Measured
 # (glm53-mini, decode step alone, `experiments.bench_serve --step_costs`, 300 interleaved calls per program, p10,
@@ -120,8 +120,8 @@ class Programs:
     """The programs over one model and a cache of `slots` rows of `max_len` positions (`cache`, which `decode`,
     `insert`, `move` and `reset` replace). decode_widths: the decode step's widths (None: 1, 2, ..., slots; a
     sharded model: slots only); prefill_widths: the staging caches' widths; speculative: the MTP variant (the
-    model needs its MTP block); compiler_options go to every `jax.jit` (on CPU on top of `CPU_OPTIONS`); mesh /
-    rules: the mesh and rule set a sharded model was placed with (caches are made in the rules' shardings).
+    model needs its MTP block); compiler_options go to every `jax.jit` (on CPU all but prefill on top of
+    `CPU_OPTIONS`); mesh / rules: the mesh and rule set a sharded model was placed with (caches are made in the rules' shardings).
     `fns` maps each program's name (module docstring) to its jitted function: the methods call them there, so
     replacing an entry (glm53.serving.multihost, a test's fault) changes what runs."""
 
@@ -134,6 +134,10 @@ class Programs:
             decode_widths = widths(slots) if mesh is None else (slots,)
         self.decode_widths, self.prefill_widths = check_widths(decode_widths, slots), tuple(prefill_widths)
         self.jit = functools.partial(jax.jit, compiler_options=cpu_options(compiler_options))
+        # prefill: XLA's own CPU options (`CPU_OPTIONS` were measured on the decode step; with the YNNPACK fusions
+        # off a 64-token prefill of configs/tiny.py:small with Q8_0 experts ran 166 vs 397 tok/s, dense 698 vs 742)
+        prefill_jit = functools.partial(jax.jit, compiler_options={
+            k: v for k, v in (compiler_options or {}).items() if v is not None} or None)  # fmt: skip
         self.graphdef, self.state = nnx.split(model)
         gd = self.graphdef
         rows = 2 if self.speculative else 1  # tokens per slot in a step
@@ -155,7 +159,7 @@ class Programs:
         fns.update({("h0", w): jit(lambda w=w: jnp.zeros((w, 1, d), dt), out_shardings=rep)
                     for w in self.prefill_widths})  # fmt: skip
         # fresh functions: jit's cache, which `compiled` counts, is per function (not per object)
-        fns["prefill",], fns["insert",] = jit(prefill, donate_argnums=(1,)), jit(insert, donate_argnums=(1,))
+        fns["prefill",], fns["insert",] = prefill_jit(prefill, donate_argnums=(1,)), jit(insert, donate_argnums=(1,))
         fns["move",] = jit(lambda cache, src, dst: move(cache, src, dst), donate_argnums=(0,))
         fns["put",] = jit(lambda cache, rows: put(cache, rows), donate_argnums=(0,))
         fns["init",] = jit(lambda state, b: place(nnx.merge(gd, state).init_cache(b, max_len)), static_argnums=(1,))

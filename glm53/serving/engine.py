@@ -50,7 +50,7 @@ from glm53.serving.text import StopText
 class Engine:
     """B slots over one model. `detokenize(ids) -> str` turns generated ids into text (None: no text, no stop
     strings). compiler_options go to every `jax.jit` (e.g. {"xla_backend_optimization_level": 0}: faster
-    compiles for tests), on CPU on top of `glm53.runtime.programs.CPU_OPTIONS`. decode_widths: the decode step's
+    compiles for tests), on CPU on top of `glm53.runtime.programs.CPU_OPTIONS` (prefill: XLA's defaults). decode_widths: the decode step's
     widths (None: 1, 2, 4, ..., slots; a sharded model: slots only). Not thread-safe except `submit`, `cancel`, `drain`,
     `abort_all` and the counters; drive it with `step` / `run`.
     prefix_cache_bytes: the prefix cache's byte budget (0: off), prefix_block its block (tokens, a multiple of
