@@ -43,6 +43,7 @@ from glm53.model import Glm53Model  # noqa: E402
 from glm53.parallel import distributed  # noqa: E402
 from glm53.serving import multihost  # noqa: E402
 from glm53.serving.engine import Engine, Request, generate  # noqa: E402
+from glm53.testing.params import randomize_params  # noqa: E402
 from glm53.train import routing  # noqa: E402
 from glm53.train import step as S  # noqa: E402
 from glm53.train.loop import train_mesh  # noqa: E402
@@ -118,7 +119,7 @@ def train_setup(mesh_section: dict):
     )
     c.mesh = ml_collections.ConfigDict(mesh_section)
     cfg = model_config_from_dict(c.model)
-    model = Glm53Model(cfg, rngs=nnx.Rngs(0), kernels={"moe": "reference"})
+    model = randomize_params(Glm53Model(cfg, rngs=nnx.Rngs(0), kernels={"moe": "reference"}))  # no constant inits
     names = routing.instrument_routers(model)
     graphdef, params, biases, rest = S.split_model(model)
     optim = S.OptimConfig(lr=1e-3, warmup_steps=1, total_steps=STEPS + 1, bias_gamma=0.01, eps=1e-3)

@@ -20,6 +20,7 @@ from glm53.config import QuantConfig, model_config_from_dict
 from glm53.layers.block import DecoderLayer
 from glm53.layers.stack import LayerGroup, LayerStack, describe_groups, layer_groups
 from glm53.model import Glm53Model, layer_cache
+from glm53.testing.params import randomize_params
 
 N = 12  # dense 0-2, DSA at 3, 7, 11: groups 0-2 (3 x 1), 3, 4-11 (2 x 4)
 
@@ -57,20 +58,12 @@ def jit_call(model, tokens, cache=None):
     return jax.jit(lambda st, t, c: nnx.merge(gd, st)(t, cache=c))(st, tokens, cache)
 
 
-def randomize(model: Glm53Model, seed: int = 1) -> None:
-    """Every parameter redrawn (norm weights, biases and mHC vectors are constant at init)."""
-    key = jax.random.key(seed)
-    for i, (_, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.Param))):
-        v = var.get_value()
-        var.set_value(v + 0.05 * jax.random.normal(jax.random.fold_in(key, i), v.shape, v.dtype))
-
-
 @pytest.fixture(scope="module")
 def models():
     """(unrolled, scanned) with the same values: one model built unrolled, a copy regrouped."""
     cfg = scan_cfg(scan=False)
     ref = Glm53Model(cfg, rngs=nnx.Rngs(0))
-    randomize(ref)
+    randomize_params(ref)
     scanned = nnx.clone(ref)
     scanned.set_scan_layers(True)
     return ref, scanned
@@ -211,7 +204,7 @@ def test_one_scan_per_scanned_group(models):
 def test_sharded_scanned_equals_unsharded(shape, rules):
     cfg = scan_cfg("sharded", scan=False)
     ref = Glm53Model(cfg, rngs=nnx.Rngs(0))
-    randomize(ref, 2)
+    randomize_params(ref, 2)
     scanned = nnx.clone(ref)
     scanned.set_scan_layers(True)
     mesh = S.make_mesh(ml_collections.ConfigDict(dict(axes=("data", "model"), shape=shape, rules=rules)))

@@ -16,6 +16,7 @@ from glm53.config import MeshConfig, model_config_from_dict
 from glm53.errors import ShardingError
 from glm53.model import Glm53Model
 from glm53.parallel import make_mesh
+from glm53.testing.params import randomize_params
 from glm53.train import routing
 from glm53.train import step as S
 from glm53.train.loop import train_mesh
@@ -38,7 +39,7 @@ def _setup(mesh_section):
     )
     c.mesh = ml_collections.ConfigDict(mesh_section)
     cfg = model_config_from_dict(c.model)
-    model = Glm53Model(cfg, rngs=nnx.Rngs(0), kernels={"moe": "reference"})
+    model = randomize_params(Glm53Model(cfg, rngs=nnx.Rngs(0), kernels={"moe": "reference"}))  # no constant inits
     names = routing.instrument_routers(model)
     graphdef, params, biases, rest = S.split_model(model)
     # eps 1e-3: Adam's first updates are ~ lr * g / (|g| + eps), so with a small eps an entry whose gradient is
