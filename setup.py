@@ -23,10 +23,12 @@ setup(
     name="glm53",
     version="0.1.0",
     description="GLM-5.3-Flash in JAX / Flax NNX: configs, GGUF codebook experts, Pallas kernels",
-    packages=find_packages(include=["glm53", "glm53.*", "kernels", "kernels.*"]),
+    # experiments (the entry points, `python -m experiments.<name>`) and configs (`--config=NAME`) install too, so
+    # both work from any folder
+    packages=find_packages(include=["glm53", "glm53.*", "kernels", "kernels.*", "experiments", "configs"]),
     # The model shipped as the entry points' default (glm53/assets/mini/: config, weights, tokenizer, card).
     # + the C++ source of the CPU quantized-expert kernel (kernels/moe/cpu_ffi.py compiles it on first use)
-    package_data={"glm53.assets": ["*/*"], "kernels": ["csrc/*.h"], **{f"kernels.{op}": ["csrc/*.cc"] for op in ("moe", "matmul", "kda")}},
+    package_data={"glm53.assets": ["*/*"], "experiments": ["*.sh"], "kernels": ["csrc/*.h"], **{f"kernels.{op}": ["csrc/*.cc"] for op in ("moe", "matmul", "kda")}},
     python_requires=">=3.10",
     install_requires=[
         "jax==0.10.2",

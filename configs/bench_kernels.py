@@ -10,11 +10,12 @@ Sets:
 Override fields from the command line, e.g. ``--config.layouts=planes --config.repeats=10``.
 
 Fields: experts (a QuantConfig `experts` spec; "ud_iq3_xxs" means its common layer: IQ2_S gate/up, IQ3_S down),
-layouts, impls ("reference", "dequant_all", "xla_quant", "pallas_tpu", "pallas_gpu"; pallas_tpu runs only on a TPU
-backend, pallas_gpu only on a GPU one),
+layouts, impls ("reference", "dequant_all", "xla_quant", "xla_cpu", "pallas_tpu", "pallas_gpu"; xla_cpu runs only
+on a CPU backend, pallas_tpu only on a TPU one, pallas_gpu only on a GPU one: each set lists them all, so the
+implementation "auto" picks is timed on every backend and the others print "not run" with the reason),
 streams (decode tokens), prefill_tokens, reference_max_slots (skip the reference above this many routed slots:
 on CPU/GPU its ragged_dot runs every expert on every slot), experts_per_step and tile_rows (xla_quant),
-warmup / repeats (median of repeats), dtype (activations), seed.
+warmup / repeats (min / median / max of repeats), dtype (activations), seed.
 """
 
 import ml_collections
@@ -22,7 +23,7 @@ import ml_collections
 _COMMON = dict(
     experts="ud_iq3_xxs",
     layouts="planes,reencoded",
-    impls="reference,dequant_all,xla_quant,pallas_tpu,pallas_gpu",
+    impls="reference,dequant_all,xla_quant,xla_cpu,pallas_tpu,pallas_gpu",
     experts_per_step=8,
     tile_rows=128,
     warmup=1,

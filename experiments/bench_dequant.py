@@ -3,7 +3,8 @@
 python -m experiments.bench_dequant [--types=IQ2_S,Q4_K] [--rows=4096] [--cols=2048] [--repeats=5]
                                     [--out=bench_dequant.json]
 
-Prints a table (median time, weights/s and speedups vs gguf-py and ggml per type and impl) and writes the JSON list
+Prints a table (min / median / max time, weights/s from the median and speedups vs gguf-py and ggml per type and
+impl: the impl is the decoder that ran) and writes the JSON list
 of records, the machine record last.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from absl import flags
 
-from experiments import cli
+from experiments import cli, startup
 from glm53.benchmarks import dequant
 from glm53.quant.formats import I_QUANTS, K_QUANTS
 
@@ -19,7 +20,9 @@ _TYPES = flags.DEFINE_list("types", list(I_QUANTS + K_QUANTS + ("Q8_0",)), "GGUF
 _ROWS = flags.DEFINE_integer("rows", 4096, "Matrix rows (outputs).")
 _COLS = flags.DEFINE_integer("cols", 2048, "Matrix columns (inputs); a multiple of the block size.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per impl (after one warm-up call).")
-_OUT = flags.DEFINE_string("out", "bench_dequant.json", "JSON output path ('' to skip writing).")
+_OUT = flags.DEFINE_string(
+    "out", None, "JSON output path ('' to skip writing; default: bench_dequant.json in a new run folder)"
+)
 _QUANT_ROWS = flags.DEFINE_integer(
     "quant_rows", 256, "Rows actually quantized by llama.cpp, tiled to --rows."
 )
@@ -33,7 +36,8 @@ def main(argv):
         _TYPES.value, _ROWS.value, _COLS.value, _REPEATS.value, _QUANT_ROWS.value, _IMPLS.value, _SEED.value
     )
     print(dequant.format_table(records))
-    cli.write_result(_OUT.value, records)
+    out = _OUT.value if _OUT.value is not None else startup.output_path(None, "bench_dequant.json")
+    cli.write_result(out, records)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,13 @@
   python -m experiments.bench_kernels --config=configs/bench_kernels.py:cpu --out=bench_kernels.json
   python -m experiments.bench_kernels --config=configs/bench_kernels.py:real --out=bench_real.json  # accelerator
 
-Prints one line per (layout, op, tokens, implementation): median time, effective GB/s of the distinct experts'
-weight bytes, and the fraction of a plain device copy's bandwidth; then the decode scaling (time(N) / time(1)
-against U(N) / U(1)) and the notes (skipped implementations). --out writes the full result (machine, settings,
-records with median_s, weight_bytes, gb_per_s, distinct_experts, ratio_vs_reference, ratio_vs_dequant_all,
-ratio_vs_copy; scaling; notes) as JSON. Field meanings: glm53/benchmarks/kernels.py.
+Prints one line per (layout, op, tokens, implementation): min / median / max time, effective GB/s of the distinct
+experts' weight bytes, the fraction of a plain device copy's bandwidth and the kernel that ran (for xla_cpu's
+decode form: the C++ kernel, cpu_ffi, or the plain-XLA path); a row not timed says why ("not run: ..."); then the
+decode scaling (time(N) / time(1) against U(N) / U(1), a missed target with its figures) and the notes. --out
+writes the full result (machine, settings, auto, records with median_s, min_s, max_s, kernel, weight_bytes,
+gb_per_s, distinct_experts, ratio_vs_reference, ratio_vs_dequant_all, ratio_vs_copy; not_run; scaling; notes)
+as JSON. Field meanings: glm53/benchmarks/kernels.py.
 """
 
 from __future__ import annotations
@@ -37,8 +39,15 @@ def main(argv):
     result = bench.run_benchmark(settings)
     print("\ndecode scaling: time(N) / time(1) vs target 1.1 x U(N) / U(1)")
     for r in result["scaling"]:
-        print(f"  {r['layout']:9s} {r['impl']:12s} N={r['streams']:<3d} {r['time_ratio']:7.3f} vs "
-              f"{r['target']:7.3f}  {'ok' if r['meets_target'] else 'MISSED'}")  # fmt: skip
+        head = f"  {r['layout']:9s} {r['impl']:12s} N={r['streams']:<3d}"
+        if r["time_ratio"] is None:
+            print(f"{head} {r['why']}")
+            continue
+        verdict = "ok" if r["meets_target"] else f"MISSED: {r['why']}"
+        print(f"{head} {r['time_ratio']:7.3f} vs {r['target']:7.3f}  {verdict}")
+    timed = {r["impl"] for r in result["records"]}
+    auto = result["auto"]
+    print(f"auto runs {auto} on this backend: {'timed above' if auto in timed else 'not timed (see not run)'}")
     for n in result["notes"]:
         print(f"note: {n}")
     print(harness.describe(result["machine"]))

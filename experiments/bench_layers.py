@@ -6,8 +6,9 @@
   python -m experiments.bench_peer --formats=UD-IQ3_XXS --files=/tmp/peer   # keep bench_peer's GGUF files, then
   python -m experiments.bench_layers --gguf=/tmp/peer/UD-IQ3_XXS.gguf --format=UD-IQ3_XXS
 
-Per phase: the whole forward's median (one program, as generation runs it), the sum of the pieces' medians and
-the --top largest (layer kind, piece) groups with their share of that sum. Pieces: embed, attn_hc, attention,
+Per phase: the whole forward's min / median / max (one program, as generation runs it), the sum of the pieces'
+medians and the --top largest (layer kind, piece) groups (sums of their pieces' min / median / max) with their
+share of that sum and the kernel implementation each runs (e.g. "moe xla_cpu_decode: cpu_ffi (C++)"). Pieces: embed, attn_hc, attention,
 attn_expand, ffn_hc, ffn, ffn_expand, head (glm53/benchmarks/layers.py says what each holds). With --gguf the
 model is bench_peer's glm53 side of that file (f32, routed experts kept in --format, --layout).
 """
@@ -85,10 +86,11 @@ def main(argv):
             model, tokens, _CONTEXT.value if t == 1 else 0, repeats=_REPEATS.value, seed=_SEED.value
         )
         result["phases"][name] = r
-        whole, total = r["whole"]["median_s"] * 1e3, r["sum_median_s"] * 1e3
-        print(f"{name}: whole forward {whole:.2f} ms, pieces alone {total:.2f} ms; top pieces:")
+        whole, total = harness.spread_ms(r["whole"], 0, 2), r["sum_median_s"] * 1e3
+        print(f"{name}: whole forward {whole} ms (min / median / max), pieces alone {total:.2f} ms (medians); "
+              f"top pieces (sums of min / median / max):")  # fmt: skip
         for k, v in list(r["by_kind"].items())[: _TOP.value]:
-            print(f"  {k:28s} {v['median_s'] * 1e3:8.2f} ms  {100 * v['share']:5.1f}%")
+            print(f"  {k:28s} {harness.spread_ms(v, 8, 2)} ms  {100 * v['share']:5.1f}%  {v['kernel']}")
     cli.write_result(_OUT.value, result)
 
 

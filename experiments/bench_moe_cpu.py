@@ -3,8 +3,10 @@
   python -m experiments.bench_moe_cpu --tokens=1,8 --impls=xla_quant,xla_cpu,mlp \\
       --weights=dense,split,planes,reencoded --repeats=5 --out=bench_moe_cpu.json
 
-Prints one line per (tokens, weights, impl): median time and the slowdown vs the same impl on dense weights;
---out writes {"shape", "records", "machine"} as JSON.
+Prints one line per (tokens, weights, impl): the fastest, median and slowest timed call, the slowdown vs the
+same impl on dense weights and the kernel that ran (for xla_cpu's decode form: the C++ kernel, cpu_ffi, or the
+plain-XLA path and why); a pair left out says why ("not run: ..."). --out writes {"shape", "records",
+"not_run", "machine"} as JSON.
 """
 
 from __future__ import annotations

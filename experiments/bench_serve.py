@@ -31,7 +31,6 @@ program calls (glm53.serving.multihost); decode steps over all slots (no narrow 
 no --step_costs, no distinct-experts replay; process 0 alone prints and writes --out / --png.
 """
 
-import jax
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -39,7 +38,6 @@ from experiments import cli
 from glm53 import assets, build, files
 from glm53.benchmarks import serve as S
 from glm53.config import model_config_from_dict
-from glm53.layers.stack import describe_groups
 from glm53.parallel import distributed
 from glm53.serving import multihost
 
@@ -60,7 +58,6 @@ _PREFIX_MB = flags.DEFINE_integer("prefix_cache_mb", 256, "prefix cache budget w
 _EXPERTS = flags.DEFINE_bool("distinct_experts", True, "replay the routing: distinct experts per decode step")
 _OUT = flags.DEFINE_string("out", None, "write the rows as JSON here")
 _PNG = flags.DEFINE_string("png", None, "plot the rows here (matplotlib)")
-_CACHE = flags.DEFINE_string("compilation_cache", "", "JAX persistent compilation cache folder ('' = off)")
 _NARROW = flags.DEFINE_enum(
     "narrow", "on", ["off", "on", "both"], "decode steps over the busy slots' width only"
 )
@@ -109,9 +106,6 @@ def main(argv):
         raise app.UsageError(f"--prefill_batch={_PREFILL_BATCH.value}: must be >= 0")
     if _SLOTS.value and _SLOTS.value < max(streams):
         raise app.UsageError(f"--slots={_SLOTS.value}: fewer than the {max(streams)} streams")
-    if _CACHE.value:
-        jax.config.update("jax_compilation_cache_dir", _CACHE.value)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     mtp_settings = _settings(_MTP.value)
     with_mtp = True in mtp_settings
     weights, label = assets.resolve(_WEIGHTS.value, _CONFIG.value)
@@ -143,8 +137,9 @@ def main(argv):
         model = build.apply_runtime_fields(model, _CONFIG.value)  # e.g. --config with model.scan_layers
     if with_mtp and model.mtp is None:
         raise app.UsageError("--mtp: this model has no MTP block")
-    say(label or weights or f"config {cli.config_name('config')} (random weights)", flush=True)
-    say(describe_groups(model.groups), flush=True)
+    placed = dict(mesh=run.mesh, rules=run.rules) if run is not None else {}
+    say(build.describe_model(model, **placed, config_name=cli.config_name("config"), weights=weights,
+                             seed=_CONFIG.value and _CONFIG.value.seed, label=label), flush=True)  # fmt: skip
     if _STEP_COSTS.value:
         return _step_costs(model, streams)
     rows, traces, setups = [], [], []

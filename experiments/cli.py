@@ -24,6 +24,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import startup  # noqa: E402 -- defines --compilation_cache beside the flags above
 from glm53 import build
 from glm53.config.kernels import OPS, KernelConfig
 from glm53.errors import CheckpointError, ConfigError, DataError, GGUFError, ShardingError, TrainingError
@@ -103,6 +104,9 @@ def parse_flags(argv: list[str]) -> list[str]:
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        if len(lines) > 1:  # a config file's get_config raised: ml_collections quotes the traceback
+            usage_exit(f"{lines[0].rstrip(':')}: {lines[-1]}")
         usage_exit(str(e))
     except (AttributeError, KeyError) as e:  # ml_collections: an override of a field the config lacks
         msg = str(e)  # the field's name first, quoted (and escaped), maybe 'Did you mean "x" instead of "y"?'
@@ -122,12 +126,57 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def config_name(flag: str = "config") -> str | None:
     """The ``--config`` file (and variant) as given on the command line; None when not given."""
-    return config_flags.get_config_filename(flags.FLAGS[flag]) if flags.FLAGS[flag].present else None
+    if not flags.FLAGS[flag].present:
+        return None
+    return (flag == "config" and startup.config_arg()) or config_flags.get_config_filename(flags.FLAGS[flag])
+
+
+def entry_name(main: Callable) -> str:
+    """``experiments.<name>`` of the module that defines `main` (as ``python -m`` names it)."""
+    mod = getattr(main, "__module__", "") or ""
+    if mod == "__main__":
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        mod = spec.name if spec is not None else os.path.splitext(os.path.basename(sys.argv[0]))[0]
+    return mod
+
+
+def loaded_config():
+    """The ``--config`` flag's ConfigDict (None: not given). A file that failed to load (ml_collections defers the
+    error to the first access) is a usage error: one line naming the flag, the shipped configs where no such file
+    exists."""
+    if "config" not in flags.FLAGS or not flags.FLAGS["config"].present:
+        return None
+    holder = flags.FLAGS["config"]
+    try:
+        config = holder.value
+        _ = config is not None and "model" in config  # raises where the load failed
+    except Exception as e:  # noqa: BLE001 -- whatever the config file raised
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        given = holder.config_filename if hasattr(holder, "config_filename") else "?"
+        if "No such file" in str(e):
+            usage_exit(f"--config={given}: no such file, nor a config shipped with glm53 "
+                       f"({', '.join(startup.config_names())})")  # fmt: skip
+        usage_exit(f"--config={given}: {lines[-1] if lines else type(e).__name__}")
+    return config
+
+
+HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull")
+
+
+def print_help(argv: list[str]) -> None:
+    """The entry point's usage (its module docstring) and its own flags (``--helpfull``: every flag); exit 0."""
+    main = sys.modules["__main__"]
+    print((main.__doc__ or "").strip() + "\n")
+    print(flags.FLAGS.get_help() if "--helpfull" in argv else flags.FLAGS.main_module_help())
+    sys.exit(0)
 
 
 def run(main: Callable[[list[str]], None]) -> None:
     """`app.run(main)` with the conventions of the module docstring."""
     default_platforms()
+    if any(a in HELP_FLAGS for a in sys.argv[1:]):
+        print_help(sys.argv)
+    sys.argv = startup.rewrite_config_args(sys.argv)  # --config=NAME: the shipped config of that name
 
     def wrapped(argv):
         if not flags.FLAGS["verbosity"].present:
@@ -136,7 +185,13 @@ def run(main: Callable[[list[str]], None]) -> None:
             distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
         except ConfigError as e:
             usage_exit(str(e))
+        config = loaded_config()
         try:
+            build.check_experiment_config(config)  # every override takes effect or is rejected here
+        except ConfigError as e:
+            usage_exit(f"--config={config_name()}: {e}")
+        try:
+            startup.start(entry_name(main))
             return main(argv)
         except app.UsageError as e:
             usage_exit(str(e))
@@ -180,7 +235,8 @@ def require_config(config, example: str):
 
 def write_result(path: str | None, result, write: Callable | None = None, blank_line: bool = False) -> None:
     """Writes `result` as JSON to `path` (`write(path, result)`, default `glm53.benchmarks.harness.write_result`)
-    when a path is given, on process 0 only (several processes: one file), and says so."""
+    when a path is given, on process 0 only (several processes: one file), with the run record beside it
+    (`startup.write_run_record`: flags, resolved config, versions), and says so."""
     if not path or not distributed.is_main_process():
         return
     if write is None:
@@ -188,4 +244,5 @@ def write_result(path: str | None, result, write: Callable | None = None, blank_
 
         write = harness.write_result
     write(path, result)
-    print(f"{chr(10) if blank_line else ''}wrote {path}")
+    record = startup.write_run_record(path, loaded_config())
+    print(f"{chr(10) if blank_line else ''}wrote {path} (the run: {record})")

@@ -4,9 +4,11 @@
       --devices=8 --hbm_gb=16.9 --context=262144 --streams=3 --ladder --out=budget.json
 
 Prints the parameter counts, the per-device bytes by component (routed experts as GGUF blocks and as planes,
-non-expert weights per tensor class, vision tower, caches per context set, workspace), total and headroom, the
-totals under every placement (the prior art's layout and the model's own tp / ep rules), a comparison with the
-article's figures with a "why it differs" column, and with --ladder which expert quantizations fit. --out
+non-expert weights per tensor class, vision tower, caches per context set, workspace), total and headroom under
+the placement the run uses (the config's ``mesh.rules``; --placement for another), the totals under every
+placement (the model's own tp / ep rules and the prior art's layout; a column says which is the run's and which
+the prior art's), a comparison with the article's figures (under the prior art's placement) with a "why it
+differs" column, and with --ladder which expert quantizations fit. --out
 writes the full result as JSON (atomically). Everything comes from the model's shapes and logical axes, the
 sharding rules and the format definitions (glm53/memory/); nothing is allocated.
 """
@@ -18,6 +20,7 @@ from ml_collections import config_flags
 
 from experiments import cli
 from glm53.config import ConfigError, model_config_from_dict
+from glm53.config.mesh import MeshConfig, mesh_config_from_dict
 from glm53.files import write_json
 from glm53.memory import budget
 from glm53.memory.caches import CacheLayout
@@ -37,9 +40,10 @@ _CONTEXT = flags.DEFINE_integer("context", 262144, "tokens per context set (one 
 _STREAMS = flags.DEFINE_integer("streams", 3, "context sets held at once")
 _PLACEMENT = flags.DEFINE_enum(
     "placement",
-    "prior_art",
+    None,
     list(PLACEMENTS),
-    "rule sets the tensors are placed by (glm53/memory/placement.py)",
+    "rule sets the tensors are placed by (glm53/memory/placement.py); default: the config's mesh.rules, "
+    "what the run uses",
 )
 _LAYOUT = flags.DEFINE_enum("layout", "planes", list(LAYOUTS), "routed-expert storage layout")
 _LATENT = flags.DEFINE_enum("latent_cache", "int8", ["int8", "bf16"], "MLA latent cache dtype")
@@ -62,6 +66,8 @@ def main(argv):
     del argv
     cli.require_config(_CONFIG.value, "configs/glm53_flash.py")
     try:
+        section = _CONFIG.value.get("mesh")
+        mesh = MeshConfig() if section is None else mesh_config_from_dict(section)
         result = budget.memory_budget(
             model_config_from_dict(_CONFIG.value.model),
             _EXPERTS.value,
@@ -70,6 +76,7 @@ def main(argv):
             _CONTEXT.value,
             _STREAMS.value,
             placement=_PLACEMENT.value,
+            mesh_rules=mesh.rules,
             layout=_LAYOUT.value,
             cache=CacheLayout(latent=_LATENT.value, indexer=_INDEXER.value, include_mtp=_MTP_CACHE.value),
             vision=_VISION.value,

@@ -6,7 +6,8 @@
   python -m experiments.score --weights=MODEL.gguf --tokens=tokens.json --out=scores.npz
   python -m experiments.score --weights=HF_DIR --experts=EXPERTS.gguf --tokens=tokens.json --out=scores.npz
 
-tokens.json is a JSON list of token-id lists. OUT.npz holds logits_0, logits_1, ... (float32 [T_i, vocab]) and
+tokens.json is a JSON list of token-id lists. OUT.npz (default: scores.npz in a new run folder under
+$GLM53_RUNS, ~/glm53_runs; beside it scores.run.json, the run record) holds logits_0, logits_1, ... (float32 [T_i, vocab]) and
 nll (mean next-token NLL per sequence). Without --weights and --config it scores the trained model shipped with
 glm53 (`glm53.assets`, exactly as ``--weights=glm53/assets/mini``; the first line names it); --config without
 --weights scores the seeded random model of that config.
@@ -21,7 +22,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments import cli
+from experiments import cli, startup
 from glm53 import assets, build, scoring
 from glm53.config import model_config_from_dict
 from glm53.files import atomic_write
@@ -36,7 +37,7 @@ _WEIGHTS = flags.DEFINE_string(
 )  # fmt: skip
 _EXPERTS = flags.DEFINE_string("experts", None, "GGUF file with the routed experts (--weights: HF folder)")
 _TOKENS = flags.DEFINE_string("tokens", None, "JSON file: a list of token-id lists", required=True)
-_OUT = flags.DEFINE_string("out", "scores.npz", "output .npz")
+_OUT = flags.DEFINE_string("out", None, "output .npz (default: scores.npz in a new run folder, docs/workbench.md)")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", list(build.DTYPES), "parameter dtype when loading --weights")
 _MTP = flags.DEFINE_enum(
     "mtp", "auto", list(build.MTP_CHOICES), "build the MTP block (auto: if the weights have it)"
@@ -62,9 +63,10 @@ def main(argv):
         raise app.UsageError(
             "--experts needs --weights=HF_DIR (or neither --weights nor --config: the shipped model)"
         )
-    out_dir = os.path.dirname(os.path.abspath(_OUT.value))
-    if not os.path.isdir(out_dir):
-        raise app.UsageError(f"--out={_OUT.value}: folder {out_dir} does not exist")
+    if _OUT.value is not None:
+        out_dir = os.path.dirname(os.path.abspath(_OUT.value))
+        if not os.path.isdir(out_dir):
+            raise app.UsageError(f"--out={_OUT.value}: folder {out_dir} does not exist")
     seqs = read_tokens(_TOKENS.value)
     weights, label = assets.resolve(_WEIGHTS.value, _CONFIG.value)
     cfg = build.weights_config(weights) if weights else model_config_from_dict(_CONFIG.value.model)
@@ -81,11 +83,13 @@ def main(argv):
     arrays["nll"] = nll
     if not distributed.is_main_process():  # several processes: process 0 writes and reports
         return
-    with atomic_write(_OUT.value, "wb") as f:
+    out = startup.output_path(_OUT.value, "scores.npz")
+    with atomic_write(out, "wb") as f:
         np.savez(f, **arrays)
+    record = startup.write_run_record(out, _CONFIG.value)
     for i, v in enumerate(nll):
         print(f"sequence {i}: {len(seqs[i])} tokens, mean NLL {v:.4f}")
-    print(f"wrote {_OUT.value}")
+    print(f"wrote {out} (the run: {record})")
 
 
 if __name__ == "__main__":

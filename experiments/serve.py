@@ -6,7 +6,7 @@
 
 Endpoints: POST /v1/chat/completions, /v1/completions, /v1/messages, /v1/messages/count_tokens; GET /v1/models,
 /health (503 until every program is compiled), /metrics (Prometheus). Prints ``listening on http://HOST:PORT``
-once the socket is bound. Compiled programs persist in JAX's compilation cache (--compilation_cache, "" = off),
+once the socket is bound. Compiled programs persist in JAX's compilation cache (--compilation_cache, "off" = none; on by default, see docs/workbench.md),
 so a second start compiles nothing. The engine's prefill chunk sizes are --buckets (must include 1).
 SIGINT / SIGTERM drain the server (glm53.serving.http.Shutdown): new requests get 503 + Retry-After, running
 ones may finish within --shutdown_grace_s, then end with the API's error event; exit status 0 (a second signal
@@ -27,7 +27,6 @@ import signal
 import socket
 import threading
 
-import jax
 import uvicorn
 from absl import app, flags
 from ml_collections import config_flags
@@ -35,8 +34,6 @@ from ml_collections import config_flags
 from experiments import cli
 from glm53 import assets, build, tokenizer
 from glm53.config import model_config_from_dict
-from glm53.layers.stack import describe_groups
-from glm53.model import count_params
 from glm53.parallel import distributed
 from glm53.serving import multihost
 from glm53.serving.app import make_app
@@ -61,11 +58,6 @@ _BUCKETS = flags.DEFINE_list(
 _API_KEY = flags.DEFINE_string("api_key", None, "require this key (Authorization: Bearer / x-api-key)")
 _NAME = flags.DEFINE_string("model_name", None, "the model's id in the APIs (default: the folder's name)")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", list(build.DTYPES), "parameter dtype when loading --weights")
-_CACHE = flags.DEFINE_string(
-    "compilation_cache",
-    os.path.join(os.path.expanduser("~"), ".cache", "glm53", "jax"),
-    "JAX persistent compilation cache folder ('' = off)",
-)
 
 
 _PREFIX_MB = flags.DEFINE_integer("prefix_cache_mb", 256, "prefix cache budget in MiB (0: off)")
@@ -186,9 +178,6 @@ def main(argv):
         raise app.UsageError(f"--buckets: not a list of integers: {_BUCKETS.value}") from None
     if not buckets or buckets[0] != 1:
         raise app.UsageError(f"--buckets={_BUCKETS.value}: positive sizes including 1")
-    if _CACHE.value:
-        jax.config.update("jax_compilation_cache_dir", _CACHE.value)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     weights, label = assets.resolve(_WEIGHTS.value, _CONFIG.value)
     kernels = cli.kernel_config(_CONFIG.value, _MOE_IMPL)
     several = distributed.process_count() > 1
@@ -219,9 +208,8 @@ def main(argv):
     tok = tokenizer.load_tokenizer(weights, vocab_size=cfg.vocab_size)
     name = _NAME.value or (assets.NAME if label else os.path.basename(os.path.normpath(weights)) if weights
                            else "glm53-random")  # fmt: skip
-    what = label or (f"weights {weights}" if weights else f"config {cli.config_name('config')}, random weights "
-                                                            f"(seed {_CONFIG.value.seed}): output is noise")  # fmt: skip
-    print(f"{what}; {count_params(model) / 1e6:.2f}M parameters; {describe_groups(model.groups)}", flush=True)
+    print(build.describe_model(model, **engine_kw, config_name=cli.config_name("config"), weights=weights,
+                               seed=_CONFIG.value and _CONFIG.value.seed, label=label), flush=True)  # fmt: skip
     engine = Engine(model, slots=_SLOTS.value, max_len=_MAX_LEN.value, buckets=buckets,
                     eos_ids=cfg.eos_token_ids, max_queue=_QUEUE.value, prefix_cache_bytes=_PREFIX_MB.value << 20,
                     prefix_block=_PREFIX_BLOCK.value, speculative=_SPEC.value,

@@ -12,9 +12,11 @@ bar off (it is off anyway when stderr is not a terminal).
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments import cli
+from experiments import cli, startup
+from glm53.parallel import distributed
 from glm53.train.loop import Trainer
 
+TRAIN_SECTIONS = ("model", "data", "optim", "loss")  # what glm53.train reads beside kernels / mesh / seed
 _CONFIG = config_flags.DEFINE_config_file("config", None, "training config (configs/train.py:NAME)",
                                           lock_config=True)  # fmt: skip
 _WORKDIR = flags.DEFINE_string("workdir", None, "work directory (created; resumed when it holds a run)")
@@ -27,9 +29,17 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if _CONFIG.value is None or _WORKDIR.value is None:
         raise app.UsageError("give --config=configs/train.py:NAME and --workdir=DIR")
+    missing = [s for s in TRAIN_SECTIONS if s not in _CONFIG.value]
+    if missing:
+        raise app.UsageError(
+            f"--config={cli.config_name()}: not a training config (no {', '.join(missing)} section); "
+            "use --config=configs/train.py:NAME (tiny, small, mini)"
+        )
     trainer = Trainer(
         _CONFIG.value, _WORKDIR.value, progress=_PROGRESS.value
     )  # DataError / TrainingError: one line, exit 1 (cli)
+    if distributed.is_main_process():
+        print(f"  run record: {startup.write_run_record(_WORKDIR.value, _CONFIG.value)}", flush=True)
     try:
         trainer.train(_STEPS.value)
     finally:

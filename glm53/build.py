@@ -25,7 +25,7 @@ from glm53.config import (
     model_config_to_dict,
     quant_config_from_dict,
 )
-from glm53.config.kernels import KernelConfig, kernel_config, kernel_config_from_dict
+from glm53.config.kernels import KernelConfig, check_expert_kernel, kernel_config, kernel_config_from_dict
 from glm53.errors import CheckpointError, ConfigError, ShardingError
 from glm53.layers.stack import describe_groups
 from glm53.model import Glm53Model
@@ -68,6 +68,26 @@ def model_from_experiment_config(config) -> tuple[ModelConfig, Glm53Model]:
     kernels = kernels_from_experiment_config(config)
     dtype = parse_dtype(config.param_dtype)
     return cfg, random_model(cfg, seed=config.seed, dtype=dtype, quant=quant, kernels=kernels)
+
+
+def check_experiment_config(config) -> None:
+    """Validates every section an experiment config has (model, quant, kernels, mesh, param_dtype) and that the
+    expert kernel can take the experts (`check_expert_kernel`): a ConfigError naming the field. Entry points call
+    it as soon as the flags are parsed, so an override that cannot take effect is a usage error before any work."""
+    if config is None:
+        return
+    cfg = model_config_from_dict(config.model) if "model" in config and config.model is not None else None
+    quant = quant_from_experiment_config(config) if "quant" in config and config.quant is not None else None
+    kernels = kernels_from_experiment_config(config)
+    if "mesh" in config and config.mesh is not None:
+        mesh_config_from_dict(config.mesh)
+    if "param_dtype" in config:
+        try:
+            parse_dtype(config.param_dtype)
+        except ValueError as e:
+            raise ConfigError(f"config field 'param_dtype': {e}") from None
+    if cfg is not None:
+        check_expert_kernel(kernels, quant, cfg.num_moe_layers)
 
 
 MTP_CHOICES = {"auto": None, "on": True, "off": False}
@@ -235,19 +255,56 @@ def sharded_model(
     return ShardedModel(cfg, model, mesh, rules)
 
 
-def describe_run(run: ShardedModel, *, config_name: str | None = None, seed: int | None = None,
-                 weights: str | None = None, label: str | None = None) -> str:  # fmt: skip
-    """One line saying what an entry point runs: `label` (e.g. the default model's name), else the weights (or
-    the config and seed of a random model, whose output is noise); the parameter count, the MTP block and the
-    mesh."""
-    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(run.model, nnx.Param)))
+def weights_kind(weights: str) -> str:
+    """What a --weights path holds, in words."""
+    if os.path.isdir(weights):
+        return "Orbax checkpoint" if orbax.is_checkpoint(weights) else "HF safetensors folder"
+    return "GGUF file"
+
+
+def describe_experts(model: Glm53Model) -> str:
+    """How the routed experts are held: dense arrays of their dtype, or GGUF blocks (the mix and the layout)."""
+    if model.cfg.num_moe_layers == 0:
+        return "none (no MoE layer)"
+    quant = getattr(model, "quant", None)
+    if quant is None or not quant.quantized:
+        return "dense (the parameter dtype)"
+    return f"GGUF blocks, {quant.experts} ({quant.layout} layout), decoded inside the expert kernel"
+
+
+def describe_run(run: ShardedModel, **kw) -> str:
+    """`describe_model` of an entry point's ShardedModel (its mesh and rules)."""
+    return describe_model(run.model, mesh=run.mesh, rules=run.rules, **kw)
+
+
+def describe_model(model: Glm53Model, *, mesh: Mesh | None = None, rules: S.Rules | None = None,
+                   config_name: str | None = None, seed: int | None = None, weights: str | None = None,
+                   label: str | None = None) -> str:  # fmt: skip
+    """The model part of an entry point's start-up block (docs/workbench.md), one line each: what runs (`label`,
+    e.g. the default model's name, else the weights, or the config and seed of a random model, whose output is
+    noise), the parameter count and the MTP block; the weights; the mesh (None: one device, unsharded); the
+    parameter dtype; the layer groups; how the routed experts are held; the implementation each kernel op
+    dispatches to on this backend."""
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    n = sum(int(np.prod(x.shape)) for x in params)
+    dtypes = sorted({str(x.dtype) for x in params if jnp.issubdtype(x.dtype, jnp.floating)})
     what = label or (
         f"weights {weights}"
         if weights
         else f"config {config_name}, random weights (seed {seed}): output is noise"
     )
-    mtp = "with" if run.model.mtp is not None else "without"
-    return (
-        f"{what}; {n / 1e6:.2f}M parameters, {mtp} MTP; mesh {dict(run.mesh.shape)}, rules {run.rules.name}; "
-        f"{describe_groups(run.model.groups)}"
-    )
+    mtp = "with" if model.mtp is not None else "without"
+    if mesh is None:
+        placed = f"one {jax.devices()[0].platform} device, unsharded"
+    else:
+        placed = f"{dict(mesh.shape)} over {mesh.size} {mesh.devices.flat[0].platform} device(s), rules {rules.name}"
+    lines = [
+        f"  model: {what}; {n / 1e6:.2f}M parameters, {mtp} MTP",
+        f"  weights: {weights} ({weights_kind(weights)})" if weights else "  weights: random init",
+        f"  mesh: {placed}",
+        f"  dtype: parameters {'/'.join(dtypes)}",
+        f"  {describe_groups(model.groups)}",
+        f"  experts: {describe_experts(model)}",
+        f"  {kernel_config(model.kernels).describe()}",
+    ]
+    return "\n".join(lines)

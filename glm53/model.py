@@ -18,7 +18,7 @@ from flax import nnx, struct
 
 from glm53 import dims
 from glm53.config import ModelConfig, QuantConfig
-from glm53.config.kernels import KernelConfig, kernel_config
+from glm53.config.kernels import KernelConfig, check_expert_kernel, kernel_config
 from glm53.layers.block import DecoderLayer
 from glm53.layers.linear import Linear
 from glm53.layers.mtp import MTPBlock
@@ -83,6 +83,7 @@ class Glm53Model(nnx.Module):
         self.cfg = cfg
         self.dtype = dtype
         kernels = kernel_config(kernels)
+        check_expert_kernel(kernels, quant, cfg.num_moe_layers)
         self.kernels = kernels
         self.quant = quant
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs, dtype=dtype)

@@ -19,6 +19,10 @@ _OWN_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="glm53-tests-jax-cache-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.pop("GLM53_COMPILATION_CACHE", None)  # the entry points' own default would win over the one above
+# Outputs an entry point writes without --out go to a run folder under $GLM53_RUNS (docs/workbench.md): this run's
+# own, removed at the end, never the user's ~/glm53_runs.
+_OWN_RUNS = os.environ["GLM53_RUNS"] = tempfile.mkdtemp(prefix="glm53-tests-runs-")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -78,5 +82,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_unconfigure(config):
+    shutil.rmtree(_OWN_RUNS, ignore_errors=True)
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)

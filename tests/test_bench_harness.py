@@ -32,6 +32,7 @@ def test_time_calls_warms_up_then_takes_turns():
         assert t[k].to_dict() == {
             "median_s": t[k].median_s,
             "min_s": t[k].min_s,
+            "max_s": t[k].max_s,
             "samples_s": list(t[k].samples_s),
         }
     assert float(t["a"].result[0]) == 9 and float(t["b"].result[0]) == 10  # the last call's output
@@ -41,8 +42,17 @@ def test_time_calls_warms_up_then_takes_turns():
 
 def test_timing_statistics_and_speedup():
     t = harness.Timing((3.0, 1.0, 2.0, 10.0))
-    assert (t.median_s, t.min_s) == (2.5, 1.0)
+    assert (t.median_s, t.min_s, t.max_s) == (2.5, 1.0, 10.0)
     assert harness.speedup(harness.Timing((5.0,)), t) == 2.0
+
+
+def test_spread_and_first_line():
+    t = harness.Timing((0.00058, 0.0012, 0.00467))
+    assert harness.spread_ms(t) == "   0.580 /    1.200 /    4.670"
+    assert harness.spread_ms(t.to_dict(), 0, 2) == "0.58 / 1.20 / 4.67"  # a record's fields alike
+    assert harness.SPREAD_HEADER == "min / median / max ms"
+    assert harness.first_line(ValueError("bad shape\nmore detail")) == "ValueError: bad shape"
+    assert harness.first_line(NotImplementedError()) == "NotImplementedError"
 
 
 def test_machine_record_has_the_fields():
@@ -81,5 +91,10 @@ def test_bench_dequant_entry_point_writes_the_json(tmp_path):
     assert {("IQ2_S", "jax_planes_reencoded"), ("Q8_0", "jax_planes"), ("Q8_0", "ggml")} <= impls
     for r in records[:-1]:
         assert r["exact"] and r["median_s"] > 0 and len(r["samples_s"]) == 1
+        assert r["min_s"] == r["median_s"] == r["max_s"]  # one sample
         assert r["ratio_vs_ggml"] > 0 and r["ratio_vs_gguf_py"] > 0
     assert "x gguf-py" in proc.stdout and f"wrote {out}" in proc.stdout
+    # every row prints min / median / max and the decoder (impl) that ran
+    assert "min / median / max ms" in proc.stdout and "impl (decoder that ran)" in proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("Q8_0 ", "IQ2_S "))]
+    assert len(rows) == len(records) - 1 and all(line.count(" / ") == 2 for line in rows)

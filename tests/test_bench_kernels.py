@@ -1,6 +1,7 @@
 """Smoke test of `python -m experiments.bench_kernels` on the tiny shape set: it runs, and its JSON has the
 documented fields with consistent byte counts (timings are never asserted)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -40,8 +41,24 @@ def test_entry_point_writes_the_json(tmp_path):
         if rec["impl"] in ("reference", "dequant_all"):
             assert rec["weight_bytes_touched"] == per_expert[rec["layout"]] * s.n_experts
     for t in s.streams:
-        assert {("decode", impl, t) for impl in ("reference", "dequant_all", "xla_quant")} <= seen
-    assert ("prefill", "xla_quant", s.prefill_tokens[0]) in seen
+        assert {("decode", impl, t) for impl in ("reference", "dequant_all", "xla_quant", "xla_cpu")} <= seen
+    assert {("prefill", i, s.prefill_tokens[0]) for i in ("xla_quant", "xla_cpu")} <= seen
+    # what "auto" runs on CPU (xla_cpu) is timed, and each row names its kernel (C++ cpu_ffi or plain XLA)
+    assert r["auto"] == "xla_cpu" and "auto runs xla_cpu on this backend: timed above" in proc.stdout
+    kernels = {(x["op"], x["impl"]): x["kernel"] for x in r["records"]}
+    assert kernels["decode", "xla_quant"] == "xla_quant_decode" and kernels["prefill", "xla_cpu"] == "xla_cpu_prefill"
+    assert kernels["decode", "xla_cpu"].startswith(("xla_cpu_decode: cpu_ffi (C++)", "xla_cpu_decode: XLA ("))
+    assert all(x["min_s"] <= x["median_s"] <= x["max_s"] for x in r["records"])
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("planes ")]
+    assert len(rows) == len(r["records"]) and all(line.count(" / ") == 2 for line in rows)
+    # the rows not timed say why; no verdict is bare
+    assert [(x["impl"], x["why"]) for x in r["not_run"]] == [
+        ("pallas_tpu", "pallas_tpu needs a TPU (interpret mode only here: its timings mean nothing)"),
+        ("pallas_gpu", "pallas_gpu needs a GPU (interpret mode only here: its timings mean nothing)"),
+    ]
+    assert "pallas_tpu   not run: pallas_tpu needs a TPU" in proc.stdout
+    for line in proc.stdout.splitlines():
+        assert "MISSED" not in line or "MISSED: time grew x" in line, line
     # IQ2_S gate/up + IQ3_S down, D = F = 256: (2 x 82 + 110) GGUF bytes per row of 256 weights, plus 2 bytes
     # per row and matrix because a row holds one block and the f16 `d` is stored in a whole word (planes.py)
     assert per_expert["planes"] == (2 * 82 + 110) * 256 + 3 * 2 * 256
@@ -49,8 +66,29 @@ def test_entry_point_writes_the_json(tmp_path):
         budget.plane_nbytes((1, 256, 256), f) for f in ("IQ2_S", "IQ2_S", "IQ3_S")
     )
     assert {x["streams"] for x in r["scaling"]} == set(s.streams) - {1}
-    assert any("pallas_tpu skipped" in n for n in r["notes"])
+    assert all(x["meets_target"] or x["why"].startswith("time grew") for x in r["scaling"])
     assert "decode scaling" in proc.stdout
+
+
+def test_a_failing_row_says_why_and_the_rest_run(monkeypatch):
+    s = bench.Settings.from_config(bench_kernels.get_config("tiny"))
+    s = dataclasses.replace(s, streams=(1, 2), prefill_tokens=(), impls=("xla_quant", "xla_cpu"))
+    real = bench._impl_fn
+
+    def impl_fn(impl, op, settings):
+        if impl == "xla_quant":
+            raise RuntimeError("no such kernel on this machine\ntraceback detail")
+        return real(impl, op, settings)
+
+    monkeypatch.setattr(bench, "_impl_fn", impl_fn)
+    lines = []
+    r = bench.run_benchmark(s, log=lines.append)
+    assert [(x["impl"], x["tokens"]) for x in r["records"]] == [("xla_cpu", 1), ("xla_cpu", 2)]
+    assert [(x["tokens"], x["why"]) for x in r["not_run"]] == [
+        (t, "RuntimeError: no such kernel on this machine") for t in (1, 2)
+    ]
+    assert sum("xla_quant    not run: RuntimeError: no such kernel" in line for line in lines) == 2
+    assert [x["impl"] for x in r["scaling"]] == ["xla_cpu"]
 
 
 def test_settings_of_every_set_and_bad_settings():
@@ -60,7 +98,11 @@ def test_settings_of_every_set_and_bad_settings():
     assert real.experts == {"gate": "IQ2_S", "up": "IQ2_S", "down": "IQ3_S"}
     assert round(bench.expected_distinct(288, 8, 32), 1) == 171.1  # U(32), docs/architecture.md §12
     assert bench.Settings.from_config(bench_kernels.get_config("cpu")).layouts == ("planes", "reencoded")
+    assert set(bench.AUTO_PICKS.values()) <= set(real.impls)  # every set times what auto can pick
+    assert "xla_cpu" in bench.Settings.from_config(bench_kernels.get_config("cpu")).impls
     c = bench_kernels.get_config("tiny")
+    c.impls = "reference,xla_cpu"
+    assert bench.Settings.from_config(c).impls == ("reference", "xla_cpu")  # was "unknown ['xla_cpu']"
     c.impls = "reference,fastest"
     with pytest.raises(ValueError, match="impls"):
         bench.Settings.from_config(c)

@@ -42,7 +42,17 @@ def test_pieces_replay_the_forward(model, streams, tokens, context):
         assert sum(v["share"] for v in r[group].values()) == pytest.approx(1.0)
         assert sum(v["median_s"] for v in r[group].values()) == pytest.approx(r["sum_median_s"])
     assert set(r["by_part"]) == set(L.PARTS)
-    assert r["whole"]["median_s"] > 0 and all(p["min_s"] <= p["median_s"] for p in r["pieces"])
+    assert r["whole"]["median_s"] > 0 and all(p["min_s"] <= p["median_s"] <= p["max_s"] for p in r["pieces"])
+    # each piece names the kernel implementation it runs (auto resolved for this backend)
+    kernels = {(p["kind"], p["part"]): p["kernel"] for p in r["pieces"]}
+    assert kernels[None, "embed"] == kernels[None, "head"] == "XLA"
+    assert kernels["kda+moe", "attention"] == "kda xla_cpu" and kernels["dsa+moe", "attention"] == "sparse_mla gather"
+    assert kernels["kda+moe", "attn_hc"] == kernels["kda+moe", "ffn_expand"] == "mhc xla_cpu"
+    assert kernels["kda+dense", "ffn"] == "dense MLP (XLA)"
+    moe = kernels["kda+moe", "ffn"]
+    assert moe.startswith("moe xla_cpu_decode: " if streams * tokens * model.cfg.num_experts_per_tok <= 64 else
+                          "moe xla_cpu_prefill")  # fmt: skip
+    assert all(v["kernel"] and v["min_s"] <= v["median_s"] <= v["max_s"] for v in r["by_kind"].values())
 
 
 def _run(*args):
@@ -57,7 +67,8 @@ def test_entry_point_writes_json(tmp_path):
     r = json.loads(out.read_text())
     assert list(r["phases"]) == ["decode_b1"] and r["phases"]["decode_b1"]["replay_max_abs_diff"] < 1e-4
     assert "decode_b1: whole forward" in proc.stdout and r["machine"]["backend"] == "cpu"
-    assert len([line for line in proc.stdout.splitlines() if line.startswith("  ")]) == 3
+    table = proc.stdout.split("decode_b1: whole forward", 1)[1]  # after the start-up block
+    assert len([line for line in table.splitlines() if line.startswith("  ")]) == 3
 
 
 def test_bad_phase_is_a_usage_error():

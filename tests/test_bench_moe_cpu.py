@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from glm53.benchmarks import moe_cpu
+from kernels.moe import xla_cpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--experts=4", "--hidden=256", "--width=256", "--top_k=2"]
@@ -46,6 +47,32 @@ def test_entry_point_writes_the_json(tmp_path):
             assert x["vs_dense"] == pytest.approx(x["median_s"] / recs[t, "dense", impl]["median_s"])
     assert all(recs[t, "dense", "xla_cpu"]["vs_dense"] == 1.0 for t in (2,))
     assert "x 1.00 of dense" in proc.stdout
+    # each row names the kernel that ran: the C++ kernel (cpu_ffi) or the plain-XLA path, and why
+    assert recs[2, "dense", "xla_cpu"]["kernel"] == "xla_cpu_decode: XLA (dense weights)"
+    assert recs[2, "split", "xla_cpu"]["kernel"] == "xla_cpu_decode: XLA (dense weights, per-expert views)"
+    assert recs[2, "mlp", "mlp"]["kernel"] == "dense SwiGLU (XLA)"
+    want = "xla_cpu_decode: cpu_ffi (C++)" if xla_cpu._ffi_unsupported(moe_cpu.make_weights(
+        "reencoded", moe_cpu.Shape(4, 256, 256, 2)).values()) is None else "xla_cpu_decode: XLA ("  # fmt: skip
+    assert recs[2, "reencoded", "xla_cpu"]["kernel"].startswith(want)
+    # and the spread: min / median / max on every timed row
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("T=2 ")]
+    assert len(rows) == 4 and all(line.count(" / ") == 2 and " ms" in line for line in rows)
+    assert all(x["min_s"] <= x["median_s"] <= x["max_s"] for x in r["records"]) and r["not_run"] == []
+
+
+def test_left_out_pairs_say_why():
+    r = moe_cpu.run([64], ["xla_cpu"], ["split", "dense"], repeats=1, shape=moe_cpu.Shape(4, 256, 256, 2), log=lambda s: None)
+    assert [x["weights"] for x in r["records"]] == ["dense"] and r["records"][0]["kernel"] == "xla_cpu_prefill"
+    assert r["not_run"] == [dict(weights="split", tokens=64, impl="xla_cpu", why=(
+        "per-expert views are read by the xla_cpu decode form only (xla_cpu runs xla_cpu_prefill)"))]  # fmt: skip
+
+
+def test_moe_kernel_names_the_path():
+    ws = list(moe_cpu.make_weights("planes", moe_cpu.Shape(4, 256, 256, 2)).values())
+    assert moe_cpu.moe_kernel("xla_cpu", 200, ws) == "xla_cpu_prefill"
+    assert moe_cpu.moe_kernel("auto", 4, ws, backend="tpu") == "pallas_tpu_decode"
+    assert moe_cpu.moe_kernel("xla_cpu_xla_decode", 4, ws) == "xla_cpu_xla_decode: XLA"
+    assert moe_cpu.moe_kernel("xla_cpu", 4, ws, backend="gpu").startswith("xla_cpu_decode: XLA (the C++ kernel")
 
 
 def test_bad_arguments_name_the_argument():

@@ -114,13 +114,18 @@ def test_default_model_location_and_override(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ entry points
+def _model_line(stdout: str) -> str:
+    """What the start-up block says runs (its ``  model:`` line, docs/workbench.md)."""
+    return next(ln for ln in stdout.splitlines() if ln.startswith("  model: "))[len("  model: "):]
+
+
 def test_default_generate_runs_the_shipped_model_and_its_chat_template(standin, greedy):
     """No --weights, no --config: the asset and its tokenizer, named on the first line; --chat renders the
     asset's template (its special tokens are single ids of the `tokenizers` encoding); the new tokens equal
     greedy decoding of the asset loaded here."""
     r = _run("experiments.generate", "--prompt=def fibonacci(n):", "--chat", "--max_new=6", model_dir=standin)
     assert r.returncode == 0, r.stderr[-3000:]
-    first = r.stdout.splitlines()[0]
+    first = _model_line(r.stdout)
     assert first.startswith(f"glm53-mini: trained model shipped with glm53 ({standin})"), first
     assert "with MTP" in first and "random weights" not in r.stdout and "tokenizer: none" not in r.stdout
     assert "chat: '[gMASK]<sop><|user|>def fibonacci(n):<|assistant|>'" in r.stdout, r.stdout
@@ -137,7 +142,7 @@ def test_default_score_runs_the_shipped_model(standin, loaded, tmp_path):
     tokens.write_text(json.dumps(seqs))
     r = _run("experiments.score", f"--tokens={tokens}", f"--out={out}", model_dir=standin)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.splitlines()[0].startswith(f"glm53-mini: trained model shipped with glm53 ({standin})")
+    assert _model_line(r.stdout).startswith(f"glm53-mini: trained model shipped with glm53 ({standin})")
     _, nll = scoring.score(loaded[1], seqs)
     np.testing.assert_allclose(np.load(out)["nll"], nll, rtol=1e-5)
 

@@ -64,7 +64,7 @@ def test_score_on_the_config_mesh_equals_unsharded(tmp_path, unsharded, shape, r
     r = _run("experiments.score", "--config=configs/tiny.py:sharded", f"--config.mesh.shape=({shape[0]},{shape[1]})",
              f"--config.mesh.rules={rules}", f"--tokens={tokens}", f"--out={out}")  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"mesh {{'data': {shape[0]}, 'model': {shape[1]}}}, rules {rules}" in r.stdout
+    assert f"mesh: {{'data': {shape[0]}, 'model': {shape[1]}}} over 8 cpu device(s), rules {rules}" in r.stdout
     z = np.load(out)
     for i, want in enumerate(unsharded["logits"]):
         assert rel(z[f"logits_{i}"], want) <= 1e-5, i
@@ -75,7 +75,7 @@ def test_generate_on_the_config_mesh_equals_unsharded(unsharded):
     r = _run("experiments.generate", "--config=configs/tiny.py:sharded", "--config.mesh.shape=(1,8)",
              "--config.mesh.rules=ep", f"--prompt_ids={','.join(map(str, PROMPT))}", f"--max_new={MAX_NEW}")  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "mesh {'data': 1, 'model': 8}, rules ep" in r.stdout
+    assert "mesh: {'data': 1, 'model': 8} over 8 cpu device(s), rules ep" in r.stdout
     new = next(line for line in r.stdout.splitlines() if line.startswith("new ids:"))
     assert ast.literal_eval(new.removeprefix("new ids:").strip()) == unsharded["greedy"]
 

@@ -75,9 +75,17 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def budget(cfg):
+    """Under the prior art's placement: the layout its audit article measured."""
     return memory.memory_budget(
-        cfg, "ud_iq3_xxs", devices=8, hbm_gb=16.9, context=262144, streams=3, ladder=True
-    )
+        cfg, "ud_iq3_xxs", devices=8, hbm_gb=16.9, context=262144, streams=3, ladder=True,
+        placement="prior_art",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def run_budget(cfg):
+    """The default headline: the placement the run uses (the default config's mesh.rules, "tp")."""
+    return memory.memory_budget(cfg, "ud_iq3_xxs", devices=8, hbm_gb=16.9, context=262144, streams=3)
 
 
 def _hf_meta_state(c: ModelConfig) -> dict:
@@ -288,6 +296,38 @@ def test_totals_and_residual(budget):
     assert 16.0 * GB < budget["per_device_total_bytes"] < 16.2 * GB
 
 
+def test_headline_is_the_placement_the_run_uses(budget, run_budget):
+    r = run_budget
+    assert r["headline_placement"] == r["config"]["placement"] == r["config"]["run_placement"] == "tp"
+    roles = {name: row["roles"] for name, row in r["placements"].items()}
+    assert roles == {"prior_art": ["prior art"], "tp": ["headline", "run"], "ep": []}
+    # the headline is the tp row of the table, byte for byte
+    tp = r["placements"]["tp"]
+    assert tp["total"] == r["per_device_total_bytes"] and tp["fits"] == r["fits"]
+    assert tp["max_streams"] == r["max_streams"] == 5 and r["fits"]
+    assert tp["non_expert"] == r["per_device"]["non_expert"] and tp["context_set"] == r["context_set_bytes_per_device"]
+    # the tp rules replicate the low-rank down-projections (+0.122 GB) and the KDA conv state (+34 x 3/4 of it)
+    pa = budget["placements"]["prior_art"]
+    assert pa["total"] == budget["per_device_total_bytes"] and pa["max_streams"] == 6
+    assert r["per_device"]["routed_experts"] == budget["per_device"]["routed_experts"]
+    assert r["per_device"]["workspace"] == budget["per_device"]["workspace"]  # the prior art's residual both
+    conv = budget["context_set_by_component"]["kda_conv"]
+    assert r["context_set_by_component"]["kda_conv"] == 8 * conv
+    assert r["per_device_total_bytes"] - budget["per_device_total_bytes"] == (
+        tp["non_expert"] - pa["non_expert"] + 3 * (tp["context_set"] - pa["context_set"])
+    )
+    assert 16.2 * GB < r["per_device_total_bytes"] < 16.25 * GB
+    # the article comparison is made under the prior art's placement whatever the headline
+    assert r["comparison_placement"] == budget["comparison_placement"] == "prior_art"
+    assert r["comparison"] == budget["comparison"]
+    assert "the rule set the config runs" in r["assumptions"][1]
+    ep = memory.memory_budget(
+        _release_cfg(), devices=8, placement="prior_art", mesh_rules="ep", context=1024, streams=1
+    )
+    assert ep["headline_placement"] == "prior_art" and ep["config"]["run_placement"] == "ep"
+    assert ep["placements"]["ep"]["roles"] == ["run"] and "asked for" in ep["assumptions"][1]
+
+
 def test_comparison_says_why_figures_differ(budget):
     rows = {r["quantity"]: r for r in budget["comparison"]}
     differ = {q for q, r in rows.items() if not r["agrees"]}
@@ -356,7 +396,15 @@ def test_entry_point_writes_json(tmp_path):
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "why it differs" in p.stdout and "UD-IQ3_XXS" in p.stdout
+    # the headline is what the run uses (configs/glm53_flash.py: mesh.rules "tp"); the table says whose is whose
+    assert "placement tp (the config's mesh.rules: what the run uses)" in p.stdout
+    assert "fits: True, room for 5 context sets" in p.stdout
+    rows = {line.split()[0]: line for line in p.stdout.splitlines() if line.startswith(("  tp ", "  prior_art "))}
+    assert "headline, the run's" in rows["tp"] and "the prior art's" in rows["prior_art"]
+    assert "compared with the audit article, under the prior art's placement (prior_art" in p.stdout
     r = json.loads(out.read_text())
+    assert r["headline_placement"] == "tp" and r["config"]["run_placement"] == "tp"
+    assert r["per_device_total_bytes"] == r["placements"]["tp"]["total"]
     for key in (
         "total_params",
         "routed_expert_params",

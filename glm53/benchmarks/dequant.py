@@ -13,7 +13,8 @@ Gaussian rows, tiled to `rows` because the i-quant quantizers are slow) and deco
 The impls of a type are timed together by `harness.time_calls` (one warm-up call each, then `repeats` rounds).
 Ratios are speedups measured in this process: ratio_vs_gguf_py = gguf_py median / impl median (likewise vs
 ggml). `exact` says whether the impl's output equals gguf-py's bit for bit. `run` returns a JSON list: one
-record per (type, impl) and a last {"type": "machine", ...} record.
+record per (type, impl) with its median_s, min_s, max_s and samples_s, and a last {"type": "machine", ...}
+record; the table prints min / median / max per row.
 
 A fresh 4096 x 2048 f32 result is 32 MiB, which glibc maps anew for every call, so `jax` pays ~8k page faults
 per call; GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (transparent huge pages for malloc) cuts most of that.
@@ -115,11 +116,12 @@ def run(
 def format_table(records: list[dict]) -> str:
     """The records as a table, one line per (type, impl), then the machine."""
     lines = [
-        f"{'type':8s} {'impl':22s} {'median ms':>10s} {'Mweights/s':>11s} {'x gguf-py':>10s} {'x ggml':>8s} exact"
+        f"{'type':8s} {'impl (decoder that ran)':22s} {harness.SPREAD_HEADER:>30s} {'Mweights/s':>11s} "
+        f"{'x gguf-py':>10s} {'x ggml':>8s} exact"
     ]
     for r in records[:-1]:
         lines.append(
-            f"{r['type']:8s} {r['impl']:22s} {r['median_s'] * 1e3:10.2f} {r['weights_per_s'] / 1e6:11.0f} "
+            f"{r['type']:8s} {r['impl']:22s} {harness.spread_ms(r, 8, 2)} {r['weights_per_s'] / 1e6:11.0f} "
             f"{r['ratio_vs_gguf_py']:10.1f} {r['ratio_vs_ggml']:8.2f} {'yes' if r['exact'] else 'NO'}"
         )
     lines.append(harness.describe(records[-1]))

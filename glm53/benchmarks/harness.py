@@ -2,7 +2,8 @@
 
 Times are wall-clock seconds of whole calls, each waited for with `jax.block_until_ready`. Speeds are reported
 as ratios against a reference timed in the same process (`speedup`), so that the machine's load and clock
-largely cancel; absolute times are kept for the record.
+largely cancel; absolute times are kept for the record. Every printed row shows the fastest, median and slowest
+call (`spread_ms`): a median alone hides a spread that a loaded machine makes wide.
 """
 
 from __future__ import annotations
@@ -37,9 +38,34 @@ class Timing:
     def min_s(self) -> float:
         return min(self.samples_s)
 
+    @property
+    def max_s(self) -> float:
+        return max(self.samples_s)
+
     def to_dict(self) -> dict:
-        """{"median_s", "min_s", "samples_s"}: the JSON fields of a timing."""
-        return {"median_s": self.median_s, "min_s": self.min_s, "samples_s": list(self.samples_s)}
+        """{"median_s", "min_s", "max_s", "samples_s"}: the JSON fields of a timing."""
+        return {
+            "median_s": self.median_s,
+            "min_s": self.min_s,
+            "max_s": self.max_s,
+            "samples_s": list(self.samples_s),
+        }
+
+
+SPREAD_HEADER = "min / median / max ms"
+
+
+def spread_ms(t: Timing | Mapping[str, Any], width: int = 8, decimals: int = 3) -> str:
+    """"min / median / max" of a Timing (or its `to_dict()`) in milliseconds, each right-aligned to `width`."""
+    d = t.to_dict() if isinstance(t, Timing) else t
+    lo, mid, hi = (d[k] * 1e3 for k in ("min_s", "median_s", "max_s"))
+    return " / ".join(f"{v:{width}.{decimals}f}" for v in (lo, mid, hi))
+
+
+def first_line(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message (why a row was not timed)."""
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0]}" if msg else type(e).__name__
 
 
 def time_calls(

@@ -3,8 +3,10 @@
 `run_benchmark(settings)` returns a JSON-able dict (see `experiments/bench_kernels.py`). Per op ("decode": one
 token per stream; "prefill": many tokens), layout, implementation and token count it records:
 
-  median_s, min_s        median and fastest of `repeats` timed jitted calls (after compiling and `warmup` calls),
-  samples_s              inputs on device, and every timed call's seconds (glm53.benchmarks.harness)
+  median_s, min_s, max_s median, fastest and slowest of `repeats` timed jitted calls (after compiling and
+  samples_s              `warmup` calls), inputs on device, and every timed call's seconds (glm53.benchmarks.harness)
+  kernel                 what ran: the concrete implementation (decode / prefill form), for xla_cpu's decode form
+                         whether the C++ kernel (cpu_ffi) or the plain-XLA path ran (moe_cpu.moe_kernel)
   weight_bytes           plane bytes of the distinct routed experts (what a step must read at least)
   weight_bytes_touched   plane bytes the implementation reads (reference / dequant_all: every expert;
                          xla_quant decode: experts_per_step * ceil(U / experts_per_step) experts)
@@ -21,10 +23,12 @@ token per stream; "prefill": many tokens), layout, implementation and token coun
 Implementations: "reference" (api reference: dequantize every expert, sort + ragged_dot), "dequant_all"
 (one program dequantizes every expert into HBM, a second runs xla_quant's matmuls on those dense weights: the
 "dequantize everything then matmul" baseline; in a single program XLA would fuse the expert gather into the
-dequantization), "xla_quant" (decode / prefill form by op), "pallas_tpu" (TPU backend only; interpret-mode
-timings mean nothing, so elsewhere it is skipped with a note) and "pallas_gpu" (the Mosaic GPU kernels; GPU
-backend only, likewise). Routing is uniform: each token picks top_k distinct
-experts at random (seeded), as the U(N) formula assumes.
+dequantization), "xla_quant" (decode / prefill form by op), "xla_cpu" (what "auto" runs on CPU; CPU backend
+only), "pallas_tpu" (TPU backend only; interpret-mode timings mean nothing, so elsewhere it is not run) and
+"pallas_gpu" (the Mosaic GPU kernels; GPU backend only, likewise). `AUTO_PICKS` are the implementations "auto"
+can pick on some backend: every set times them where they run. A row not timed is in `not_run` with why (the
+backend, reference_max_slots, or the first line of the exception it raised). Routing is uniform: each token picks
+top_k distinct experts at random (seeded), as the U(N) formula assumes.
 """
 
 from __future__ import annotations
@@ -38,14 +42,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm53.benchmarks import harness
+from glm53.benchmarks import harness, moe_cpu
 from glm53.config import QuantConfig
 from glm53.quant.mixes import MATRICES, parse_mix
 from glm53.quant.qweight import QuantizedExperts
 from kernels.moe import api, xla_quant
 
-IMPLS = ("reference", "dequant_all", "xla_quant", "pallas_tpu", "pallas_gpu")
-_PALLAS_BACKEND = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}  # the backend each Pallas implementation needs
+IMPLS = ("reference", "dequant_all", "xla_quant", "xla_cpu", "pallas_tpu", "pallas_gpu")
+# the backend each implementation is timed on, and why not elsewhere
+BACKEND_ONLY = {
+    "xla_cpu": ("cpu", "xla_cpu is shaped for XLA:CPU (auto picks it on cpu only)"),
+    "pallas_tpu": ("tpu", "pallas_tpu needs a TPU (interpret mode only here: its timings mean nothing)"),
+    "pallas_gpu": ("gpu", "pallas_gpu needs a GPU (interpret mode only here: its timings mean nothing)"),
+}
+# what moe_experts' "auto" runs by backend (kernels/moe/api.py's table; "reference" elsewhere and as fallback)
+AUTO_PICKS = dict(getattr(api, "AUTO_BY_BACKEND", None) or api._AUTO)
 LIMIT = 10.0
 
 
@@ -164,11 +175,20 @@ def _impl_fn(impl: str, op: str, s: Settings) -> Callable:
             lambda g, u, d, dtype: tuple(q.dequantize(dtype) for q in (g, u, d)), static_argnums=3
         )
         return lambda x, ids, w, g, u, d: inner(x, ids, w, *dequant_all(g, u, d, x.dtype))
-    elif impl in _PALLAS_BACKEND:
+    elif impl in BACKEND_ONLY:
         run = functools.partial(api.moe_experts, implementation=f"{impl}_{op}")
     else:  # pragma: no cover - Settings validates
         raise ValueError(impl)
     return jax.jit(lambda x, ids, w, g, u, d: run(x, ids, w, g, u, d, LIMIT))
+
+
+def _kernel(impl: str, op: str, ws: dict) -> str:
+    """What a row ran (the record's `kernel`): the concrete form, and for xla_cpu's decode form C++ or XLA."""
+    if impl in ("reference", "dequant_all"):
+        return impl
+    if impl == "xla_quant":
+        return f"xla_quant_{op}"
+    return moe_cpu.moe_kernel(f"{impl}_{op}", 1, [ws[m] for m in MATRICES])
 
 
 @jax.jit
@@ -185,14 +205,20 @@ def run_benchmark(settings: Settings, log: Callable[[str], None] = print) -> dic
     s = settings
     backend = jax.default_backend()
     dtype = jnp.dtype(s.dtype)
-    notes = []
+    notes, not_run = [], []
     impls = list(s.impls)
-    for impl, needs in _PALLAS_BACKEND.items():
+    for impl, (needs, why) in BACKEND_ONLY.items():
         if impl in impls and backend != needs:
             impls.remove(impl)
-            notes.append(f"{impl} skipped: backend is {backend}; interpret-mode timings are meaningless")
+            not_run.append(dict(impl=impl, layout=None, op=None, tokens=None, why=why))
+            log(f"{impl:12s} not run: {why}")
+    auto = AUTO_PICKS.get(backend, "reference")
+    if auto not in impls:
+        notes.append(f"auto runs {auto} on {backend}, which this set's impls leave out")
     records = []
     key = jax.random.key(s.seed)
+    log(f"{'layout':9s} {'op':7s} {'T':7s} {'U':6s} {'impl':12s} {harness.SPREAD_HEADER:>33s}  "
+        f"{'GB/s':>13s}  {'of copy':>11s}  {'TFLOP/s':>15s}  kernel")  # fmt: skip
     for layout in s.layouts:
         key, wkey = jax.random.split(key)
         ws = make_weights(s, layout, wkey)
@@ -209,16 +235,19 @@ def run_benchmark(settings: Settings, log: Callable[[str], None] = print) -> dic
                 copy = _copy_timing(u * per_expert, s)
                 timings: dict[str, harness.Timing] = {}
                 group = []
+                row = f"{layout:9s} {op:7s} T={tokens:<5d} U={u:<4d}"
                 for impl in impls:
+                    why = None
                     if impl == "reference" and slots > s.reference_max_slots:
-                        notes.append(
-                            f"reference skipped at {op} {tokens} tokens ({slots} slots > reference_max_slots)"
-                        )
-                        continue
-                    try:
-                        t = time_jitted(_impl_fn(impl, op, s), args, s)
-                    except NotImplementedError as e:
-                        notes.append(f"{impl} {op} {layout}: not implemented ({e})")
+                        why = f"{slots} slots > reference_max_slots ({s.reference_max_slots})"
+                    else:
+                        try:
+                            t = time_jitted(_impl_fn(impl, op, s), args, s)
+                        except Exception as e:  # a row that fails says why; the others still run
+                            why = harness.first_line(e)
+                    if why is not None:
+                        not_run.append(dict(impl=impl, layout=layout, op=op, tokens=tokens, why=why))
+                        log(f"{row} {impl:12s} not run: {why}")
                         continue
                     timings[impl] = t
                     if impl in ("reference", "dequant_all"):
@@ -229,7 +258,8 @@ def run_benchmark(settings: Settings, log: Callable[[str], None] = print) -> dic
                     else:
                         touched = u
                     rec = {
-                        "op": op, "impl": impl, "layout": layout, "formats": formats, "tokens": tokens,
+                        "op": op, "impl": impl, "kernel": _kernel(impl, op, ws), "layout": layout,
+                        "formats": formats, "tokens": tokens,
                         "slots": slots, "n_experts": s.n_experts, "d_model": s.d_model, "d_ff": s.d_ff,
                         "top_k": s.top_k, "dtype": s.dtype, **t.to_dict(),
                         "weight_bytes": u * per_expert, "weight_bytes_touched": touched * per_expert,
@@ -240,9 +270,8 @@ def run_benchmark(settings: Settings, log: Callable[[str], None] = print) -> dic
                         "tflop_per_s": 2 * int(np.sum(ids < s.n_experts)) * 3 * s.d_model * s.d_ff / t.median_s / 1e12,
                     }  # fmt: skip
                     group.append(rec)
-                    log(f"{layout:9s} {op:7s} T={tokens:<5d} U={u:<4d} {impl:12s} {t.median_s * 1e3:10.3f} ms  "
-                        f"{rec['gb_per_s']:8.3f} GB/s  copy {rec['ratio_vs_copy']:6.3f}  "
-                        f"{rec['tflop_per_s']:7.2f} TFLOP/s")  # fmt: skip
+                    log(f"{row} {impl:12s} {harness.spread_ms(t)} ms  {rec['gb_per_s']:8.3f} GB/s  "
+                        f"copy {rec['ratio_vs_copy']:6.3f}  {rec['tflop_per_s']:7.2f} TFLOP/s  {rec['kernel']}")  # fmt: skip
                 for rec in group:
                     for base in ("reference", "dequant_all"):
                         rec[f"ratio_vs_{base}"] = (
@@ -254,24 +283,35 @@ def run_benchmark(settings: Settings, log: Callable[[str], None] = print) -> dic
         "set": s.name,
         "machine": harness.machine(("flax", "numpy")),
         "settings": dataclasses.asdict(s),
+        "auto": auto,
         "records": records,
+        "not_run": not_run,
         "scaling": scaling(records, s),
         "notes": notes,
     }
 
 
 def scaling(records: list[dict], s: Settings) -> list[dict]:
-    """Decode time(N streams) / time(1 stream) against U(N) / U(1) (target: <= 1.1 x U(N) / U(1))."""
+    """Decode time(N streams) / time(1 stream) against U(N) / U(1) (target: <= 1.1 x U(N) / U(1)). `why` says
+    what a missed target means, or why a row has no ratio (no 1-stream time of that implementation)."""
     out = []
     base = {(r["layout"], r["impl"]): r for r in records if r["op"] == "decode" and r["tokens"] == 1}
     for r in records:
+        if r["op"] != "decode" or r["tokens"] == 1:
+            continue
+        row = {"layout": r["layout"], "impl": r["impl"], "streams": r["tokens"]}
         b = base.get((r["layout"], r["impl"]))
-        if r["op"] != "decode" or r["tokens"] == 1 or b is None:
+        if b is None:
+            out.append(row | {"time_ratio": None, "distinct_ratio": None, "target": None, "meets_target": None,
+                              "why": "not compared: this implementation has no 1-stream time"})  # fmt: skip
             continue
         t_ratio = r["median_s"] / b["median_s"]
         u_ratio = r["distinct_experts"] / b["distinct_experts"]
-        out.append({
-            "layout": r["layout"], "impl": r["impl"], "streams": r["tokens"], "time_ratio": t_ratio,
-            "distinct_ratio": u_ratio, "target": 1.1 * u_ratio, "meets_target": t_ratio <= 1.1 * u_ratio,
-        })  # fmt: skip
+        meets = t_ratio <= 1.1 * u_ratio
+        why = "" if meets else (
+            f"time grew x{t_ratio:.2f} for x{u_ratio:.2f} the distinct experts: the step is not bound by reading "
+            "the experts' weights alone (the target, 1.1 x, is an accelerator's; see also the rows' min / max)"
+        )  # fmt: skip
+        out.append(row | {"time_ratio": t_ratio, "distinct_ratio": u_ratio, "target": 1.1 * u_ratio,
+                          "meets_target": meets, "why": why})  # fmt: skip
     return out

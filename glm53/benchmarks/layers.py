@@ -26,8 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from glm53.benchmarks import harness
+from glm53.benchmarks import harness, moe_cpu
 from glm53.runtime.weights import decode_state
+from kernels import dispatch
+from kernels.kda import api as kda_api
+from kernels.mhc import api as mhc_api
+from kernels.sparse_mla import api as mla_api
 
 PARTS = ("embed", "attn_hc", "attention", "attn_expand", "ffn_hc", "ffn", "ffn_expand", "head")
 
@@ -39,14 +43,45 @@ def _program(module, call: Callable, donate: bool = False) -> Callable:
     return lambda *a: f(st, *a)
 
 
+def _resolved(api_module, op: str, name: str) -> str:
+    """The implementation `name` runs as on this backend ("auto" through the op's table)."""
+    table = getattr(api_module, "AUTO_BY_BACKEND", None) or getattr(api_module, "_AUTO", {})
+    return dispatch.resolve(op, name, api_module.IMPLEMENTATIONS, table)
+
+
+def layer_kernels(layer, tokens: int, dtype, top_k: int) -> dict[str, str]:
+    """{part: the kernel implementation it runs} of a decoder layer on `tokens` tokens of `dtype`, `top_k`
+    routed experts each."""
+    hc = f"mhc {_resolved(mhc_api, 'mhc', layer.attn_hc.implementation)}"
+    attn = layer.self_attn.implementation
+    out = {"attn_hc": hc, "attn_expand": hc, "ffn_hc": hc, "ffn_expand": hc}
+    if layer.attn_kind == "kda":
+        out["attention"] = f"kda {_resolved(kda_api, 'kda', attn)}"
+    else:
+        out["attention"] = f"sparse_mla {_resolved(mla_api, 'sparse_mla', attn)}"
+    experts = getattr(getattr(layer, "mlp", None), "experts", None)
+    if experts is None:
+        out["ffn"] = "dense MLP (XLA)"
+    else:
+        ws = [getattr(experts, f"{m}_proj").get_value() for m in ("gate", "up", "down")]
+        slots = tokens * top_k
+        out["ffn"] = "moe " + moe_cpu.moe_kernel(
+            experts.implementation, slots, ws, decode_max_slots=experts.decode_max_slots, tokens=tokens,
+            x_dtype=dtype,
+        )  # fmt: skip
+    return out
+
+
 def _copy(tree):
     return jax.tree.map(lambda a: jnp.array(a, copy=True) if isinstance(a, jax.Array) else a, tree)
 
 
 def forward_parts(model, tokens: np.ndarray, context: int, *, repeats: int = 5, seed: int = 0) -> dict:
     """Times every piece of one forward of `tokens` [B, T] after `context` random tokens of cache (see the
-    module docstring). Returns {"pieces": [{"layer", "kind", "part", "median_s", "min_s"}], "whole": Timing
-    fields, "sum_median_s", "replay_max_abs_diff" (the pieces' logits vs the whole's), "by_part": {part: {"median_s", "share"}}, "by_kind": {...}} (shares of the sum)."""
+    module docstring). Returns {"pieces": [{"layer", "kind", "part", "kernel", "median_s", "min_s", "max_s"}],
+    "whole": Timing fields, "sum_median_s", "replay_max_abs_diff" (the pieces' logits vs the whole's), "by_part":
+    {part: {"median_s", "min_s", "max_s" (sums over its pieces), "share"}}, "by_kind": {...; "kernel"}} (shares of
+    the sum of medians). A piece's kernel is the implementation its op runs (`layer_kernels`)."""
     b, t = tokens.shape
     cfg = model.cfg
     if t == 1:  # decode: the step's state, as the engine's decode programs read it
@@ -57,10 +92,11 @@ def forward_parts(model, tokens: np.ndarray, context: int, *, repeats: int = 5, 
         ctx = np.random.default_rng(seed).integers(1, cfg.vocab_size, (b, context), dtype=np.int32)
         _, cache = nnx.jit(lambda m, x, c: m.hidden(x, cache=c))(model, jnp.asarray(ctx), cache)
     toks = jnp.asarray(tokens, jnp.int32)
-    fns, setup, labels = {}, {}, {}
+    fns, setup, labels, kernel = {}, {}, {}, {}
 
     def add(key, label, fn, args, cache_arg=None):
         labels[key] = label
+        kernel[key] = "XLA" if label[0] is None else layer_kinds[label[0]][label[2]]
         if cache_arg is None:
             fns[key] = lambda fn=fn, args=args: fn(*args)
         else:
@@ -69,6 +105,7 @@ def forward_parts(model, tokens: np.ndarray, context: int, *, repeats: int = 5, 
 
     add("embed", (None, None, "embed"), _program(model.embed, lambda m, x: m(x)), (toks,))
     e = model.embed(toks)
+    layer_kinds = [layer_kernels(layer, b * t, e.dtype, cfg.num_experts_per_tok) for layer in model.layers]
     x = jnp.broadcast_to(e[:, :, None, :], (b, t, cfg.hc_mult, e.shape[-1]))
     start_b, selection, layer_caches = cache.length, None, list(cache.layers)
     for i, layer in enumerate(model.layers):
@@ -113,16 +150,25 @@ def forward_parts(model, tokens: np.ndarray, context: int, *, repeats: int = 5, 
         times = harness.time_calls(fns, warmup=1, repeats=repeats, setup=setup)
     # the pieces replay the forward: the last one's logits are the whole program's (to f32 rounding)
     replay = float(jnp.max(jnp.abs(times["head"].result - times["whole"].result)))
-    pieces = [dict(layer=labels[k][0], kind=labels[k][1], part=labels[k][2], median_s=times[k].median_s,
-                   min_s=times[k].min_s) for k in labels]  # fmt: skip
+    pieces = [dict(layer=labels[k][0], kind=labels[k][1], part=labels[k][2], kernel=kernel[k],
+                   **{f: getattr(times[k], f) for f in ("median_s", "min_s", "max_s")}) for k in labels]  # fmt: skip
     total = sum(p["median_s"] for p in pieces)
-    by_part, by_kind = collections.Counter(), collections.Counter()
+    by_part, by_kind = collections.defaultdict(collections.Counter), collections.defaultdict(collections.Counter)
+    kernels_of = collections.defaultdict(set)
     for p in pieces:
-        by_part[p["part"]] += p["median_s"]
-        by_kind[f"{p['kind']} {p['part']}" if p["kind"] else p["part"]] += p["median_s"]
+        group = f"{p['kind']} {p['part']}" if p["kind"] else p["part"]
+        kernels_of[group].add(p["kernel"])
+        for f in ("median_s", "min_s", "max_s"):
+            by_part[p["part"]][f] += p[f]
+            by_kind[group][f] += p[f]
 
-    def shares(c):
-        return {k: {"median_s": v, "share": v / total} for k, v in c.most_common()}
+    def shares(c, kernels=None):
+        out = {}
+        for k, v in sorted(c.items(), key=lambda kv: -kv[1]["median_s"]):
+            out[k] = {**v, "share": v["median_s"] / total}
+            if kernels is not None:
+                out[k]["kernel"] = ", ".join(sorted(kernels[k]))
+        return out
 
     return dict(tokens=[b, t], context=context, pieces=pieces, whole=times["whole"].to_dict(),
-                sum_median_s=total, replay_max_abs_diff=replay, by_part=shares(by_part), by_kind=shares(by_kind))  # fmt: skip
+                sum_median_s=total, replay_max_abs_diff=replay, by_part=shares(by_part), by_kind=shares(by_kind, kernels_of))  # fmt: skip

@@ -9,9 +9,11 @@ its weights do not depend on the experts' kind). An implementation with a form (
 for T*K <= 64 slots, else its prefill form, as "auto" does.
 
 For each token count every (weights, impl) pair is timed by one `harness.time_calls` (interleaved rounds, so load
-falls on all alike). Each record: weights, tokens, impl, runs (the form that ran), distinct_experts, median_s,
-min_s, samples_s, and the slowdowns measured in this process: vs_dense = median / the same impl's median on
-dense weights at the same tokens (the quantized-decode target is <= 1.5), vs_mlp = median / the dense MLP's.
+falls on all alike). Each record: weights, tokens, impl, runs (the form that ran), kernel (what that form ran on
+these weights, `moe_kernel`: for xla_cpu_decode the C++ kernel "cpu_ffi" or the plain-XLA path and why),
+distinct_experts, median_s, min_s, max_s, samples_s, and the slowdowns measured in this process: vs_dense =
+median / the same impl's median on dense weights at the same tokens (the quantized-decode target is <= 1.5),
+vs_mlp = median / the dense MLP's.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import numpy as np
 
 from glm53.benchmarks import harness
 from glm53.quant.qweight import QuantizedExperts
-from kernels.moe import api, expert_list
+from kernels.matmul import streamed
+from kernels.matmul.streamed import StreamedKernel
+from kernels.moe import api, expert_list, xla_cpu
 
 LIMIT = 10.0
 UD = {"gate": "IQ2_S", "up": "IQ2_S", "down": "IQ3_S"}
@@ -95,6 +99,38 @@ def _mlp(x, shape: Shape):
     return functools.partial(jax.jit(mlp), x, *w)
 
 
+def moe_kernel(
+    impl: str,
+    n_slots: int,
+    ws,
+    backend: str | None = None,
+    decode_max_slots: int = api.DEFAULT_DECODE_MAX_SLOTS,
+    tokens: int = 1,
+    x_dtype=jnp.float32,
+) -> str:
+    """What `moe_experts(implementation=impl)` runs for `n_slots` routed slots on gate / up / down `ws`: the
+    concrete implementation (`api.select_implementation`), and for the xla_cpu decode form on the CPU backend
+    whether the C++ kernel ("cpu_ffi", kernels/moe/cpu_ffi.py; for decode_state's dense kernels the row matmul)
+    or the plain-XLA path runs, with the reason; `tokens` rows of `x_dtype` activations."""
+    backend = backend or jax.default_backend()
+    name = api.select_implementation(impl, n_slots, decode_max_slots, backend=backend)
+    if name == "xla_cpu_xla_decode":
+        return f"{name}: XLA"
+    if name not in ("xla_cpu_decode", "xla_cpu_ffi_decode"):
+        return name
+    if backend != "cpu":
+        return f"{name}: XLA (the C++ kernel runs on the cpu backend only)"
+    if all(isinstance(w, StreamedKernel) for w in ws):  # decode_state's dense kernels (`tokens` rows of x_dtype)
+        x = jax.ShapeDtypeStruct((tokens, ws[0].shape[1]), x_dtype)
+        ok = streamed.usable(x, ws[0].unwrap(), tokens)
+        return f"{name}: {'C++ row matmul (kernels/matmul)' if ok else 'XLA (dense weights)'}"
+    if not all(isinstance(w, QuantizedExperts) for w in ws):
+        views = all(isinstance(w, expert_list.ExpertList) for w in ws)
+        return f"{name}: XLA (dense weights{', per-expert views' if views else ''})"
+    reason = xla_cpu._ffi_unsupported(ws)  # the test moe_experts_decode makes
+    return f"{name}: cpu_ffi (C++)" if reason is None else f"{name}: XLA ({reason})"
+
+
 def check_names(impls, kinds) -> None:
     """ValueError naming the argument for an unknown implementation or weight kind."""
     bad = [i for i in impls if i != "mlp" and i not in api.IMPLEMENTATIONS]
@@ -106,7 +142,8 @@ def check_names(impls, kinds) -> None:
 
 
 def run(tokens, impls, kinds, repeats: int = 5, shape: Shape = Shape(), log=print) -> dict:
-    """{"shape", "records", "machine"}: the records of the module docstring, one per (tokens, weights, impl)."""
+    """{"shape", "records", "not_run", "machine"}: the records of the module docstring, one per (tokens, weights,
+    impl) timed; `not_run` the (weights, tokens, impl) left out and why."""
     check_names(impls, kinds)
     if any(int(t) < 1 for t in tokens):
         raise ValueError(f"tokens: every count must be >= 1, got {list(tokens)}")
@@ -114,7 +151,8 @@ def run(tokens, impls, kinds, repeats: int = 5, shape: Shape = Shape(), log=prin
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     weights = {k: make_weights(k, shape) for k in kinds}
     call = jax.jit(lambda *a, impl: api.moe_experts(*a, LIMIT, implementation=impl), static_argnames="impl")
-    records = []
+    records, not_run = [], []
+    log(f"{'T':6s} {'weights':9s} {'impl':10s} {harness.SPREAD_HEADER:>36s}{'':17s}  kernel")
     for t in tokens:
         x, ids, w = make_routing(t, shape)
         distinct = int(np.unique(np.asarray(ids)).size)
@@ -122,8 +160,12 @@ def run(tokens, impls, kinds, repeats: int = 5, shape: Shape = Shape(), log=prin
         for kind in kinds:
             ws = weights[kind]
             for impl in (i for i in impls if i != "mlp"):
-                if kind == "split" and api.select_implementation(impl, t * shape.top_k) != "xla_cpu_decode":
-                    continue  # per-expert views are read by the xla_cpu decode form only
+                runs = api.select_implementation(impl, t * shape.top_k)
+                if kind == "split" and runs != "xla_cpu_decode":
+                    why = f"per-expert views are read by the xla_cpu decode form only ({impl} runs {runs})"
+                    not_run.append(dict(weights=kind, tokens=t, impl=impl, why=why))
+                    log(f"T={t:<4d} {kind:9s} {impl:10s} not run: {why}")
+                    continue
                 fns[kind, impl] = functools.partial(
                     call, x, ids, w, ws["gate"], ws["up"], ws["down"], impl=impl
                 )
@@ -136,6 +178,9 @@ def run(tokens, impls, kinds, repeats: int = 5, shape: Shape = Shape(), log=prin
                 tokens=t,
                 impl=impl,
                 runs=impl if impl == "mlp" else api.select_implementation(impl, t * shape.top_k),
+                kernel="dense SwiGLU (XLA)" if impl == "mlp" else moe_kernel(
+                    impl, t * shape.top_k, [weights[kind][m] for m in ("gate", "up", "down")]
+                ),
                 distinct_experts=distinct,
                 **tm.to_dict(),
                 vs_dense=None if dense is None or impl == "mlp" else tm.median_s / dense.median_s,
@@ -143,5 +188,10 @@ def run(tokens, impls, kinds, repeats: int = 5, shape: Shape = Shape(), log=prin
             )
             records.append(rec)
             vs = "" if rec["vs_dense"] is None else f"  x{rec['vs_dense']:5.2f} of dense"
-            log(f"T={t:<4d} {kind:9s} {impl:10s} ({rec['runs']:17s}) {tm.median_s * 1e3:9.2f} ms{vs}")
-    return {"shape": dataclasses.asdict(shape), "records": records, "machine": harness.machine()}
+            log(f"T={t:<4d} {kind:9s} {impl:10s} {harness.spread_ms(tm, 9, 2)} ms{vs:17s}  {rec['kernel']}")
+    return {
+        "shape": dataclasses.asdict(shape),
+        "records": records,
+        "not_run": not_run,
+        "machine": harness.machine(),
+    }

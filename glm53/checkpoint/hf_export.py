@@ -55,7 +55,7 @@ from flax import nnx
 from glm53.checkpoint import hf_rules, scan
 from glm53.checkpoint.hf_rules import LAYER_RULES, MODEL_RULES, Mapped, Rule, parse_path
 from glm53.config import ModelConfig, as_hf_text_config
-from glm53.files import atomic_write, write_json
+from glm53.files import atomic_write, follow_umask, write_json
 from glm53.io.safetensors import DTYPES
 from glm53.layers.param import Path, path_str
 from glm53.model import Glm53Model
@@ -222,9 +222,7 @@ def staged_folder(folder: str | os.PathLike, *, overwrite: bool = False) -> Iter
     tmp = tempfile.mkdtemp(prefix=os.path.basename(folder) + ".", suffix=".partial", dir=parent)
     try:
         yield tmp
-        for name in os.listdir(tmp):
-            os.chmod(os.path.join(tmp, name), 0o644)  # mkstemp / mkdtemp make private files
-        os.chmod(tmp, 0o755)
+        follow_umask(tmp)  # mkstemp / mkdtemp make private files
         if os.path.exists(folder):
             old = tempfile.mkdtemp(prefix=os.path.basename(folder) + ".", suffix=".old", dir=parent)
             os.rename(folder, os.path.join(old, "x"))

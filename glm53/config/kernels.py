@@ -16,6 +16,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+
 from glm53.config.fields import field_error, from_dict
 from glm53.errors import ConfigError
 from kernels import dispatch
@@ -30,6 +32,13 @@ OPS: dict[str, tuple[str, ...]] = {
     "kda": tuple(kda_api.IMPLEMENTATIONS),  # kernels.kda.api.chunk_kda / recurrent_kda: KDA attention
     "sparse_mla": tuple(sparse_mla_api.IMPLEMENTATIONS),  # kernels.sparse_mla.api.sparse_mla: DSA attention
     "moe": tuple(moe_api.IMPLEMENTATIONS),  # kernels.moe.api.moe_experts: the routed experts
+}
+# op -> {backend: the implementation "auto" runs there}
+AUTO_TABLES: dict[str, dict[str, str]] = {
+    "mhc": mhc_api.AUTO_BY_BACKEND,
+    "kda": kda_api.AUTO_BY_BACKEND,
+    "sparse_mla": sparse_mla_api.AUTO_BY_BACKEND,
+    "moe": moe_api.AUTO_BY_BACKEND,
 }
 
 
@@ -66,6 +75,29 @@ class KernelConfig:
     def to_dict(self) -> dict[str, str]:
         return dataclasses.asdict(self)
 
+    def resolved(self, backend: str | None = None) -> dict[str, str]:
+        """op -> what runs on `backend` (default: JAX's): the implementation named, or the one "auto" picks there
+        (`dispatch.resolve`, outside a gradient), marked "(auto)"; a Pallas kernel for another platform is marked
+        "(interpret mode)": it runs in Pallas' interpreter, correct and slow."""
+        backend = backend or jax.default_backend()
+        out = {}
+        for op in OPS:
+            asked = getattr(self, op)
+            name = dispatch.resolve(op, asked, OPS[op], AUTO_TABLES[op], backend)
+            note = " (auto)" if asked == dispatch.AUTO else ""
+            native = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
+            platform = next((p for k, p in native.items() if name.startswith(k)), None)
+            if platform is not None and platform != backend:
+                note += " (interpret mode)"
+            out[op] = name + note
+        return out
+
+    def describe(self, backend: str | None = None) -> str:
+        """One line: `resolved` per op, e.g. "kernels (cpu): mhc=xla_cpu (auto), ... moe=pallas_tpu (interpret
+        mode)"."""
+        backend = backend or jax.default_backend()
+        return f"kernels ({backend}): " + ", ".join(f"{op}={v}" for op, v in self.resolved(backend).items())
+
 
 def kernel_config_from_dict(d: Any) -> KernelConfig:
     """A KernelConfig from the ``kernels`` ConfigDict / dict (missing ops: "auto"); unknown ops are an error."""
@@ -80,3 +112,22 @@ def kernel_config(value: KernelConfig | Mapping[str, str] | None) -> KernelConfi
     if isinstance(value, KernelConfig):
         return value
     return kernel_config_from_dict(value)
+
+
+def check_expert_kernel(kernels: KernelConfig, quant, num_moe_layers: int) -> None:
+    """ConfigError where ``kernels.moe`` names an implementation that cannot take the experts a model holds
+    (`quant`: its QuantConfig or None for dense experts): checked where a model is built and where an entry point
+    reads its config, so an override that could not take effect is rejected before any work."""
+    if num_moe_layers == 0:
+        return
+    quantized = quant is not None and quant.quantized
+    if kernels.moe in moe_api.QUANTIZED_ONLY and not quantized:
+        raise field_error(
+            "kernels.moe", f"{kernels.moe!r} decodes GGUF expert blocks, and the experts are dense "
+            "(quant.experts='none'): set quant.experts (e.g. --config.quant.experts=q4_k) or another kernels.moe",
+        )  # fmt: skip
+    if kernels.moe in moe_api.DENSE_ONLY and quantized:
+        raise field_error(
+            "kernels.moe", f"{kernels.moe!r} multiplies dense experts, and the experts are GGUF blocks "
+            f"(quant.experts={quant.experts!r}): set another kernels.moe (e.g. auto) or quant.experts='none'",
+        )  # fmt: skip

@@ -8,8 +8,11 @@ why a figure differs (glm53/memory/prior_art.py), and optionally a ladder of exp
 each fits. Nothing is allocated.
 
 Every tensor is placed as the logical axes of the model's parameters and caches say under a named placement
-(glm53/memory/placement.py): "prior_art" (default; the layout the prior art measured, which the comparison
-needs) or the model's own "tp" / "ep" rules. `placements` in the result gives the per-device totals under each.
+(glm53/memory/placement.py): the model's own "tp" / "ep" rules or "prior_art" (the layout the prior art
+measured). The headline (`placement`, default: `mesh_rules`, the rule set the experiment runs with, config
+field ``mesh.rules``) is the one the code runs unless another is asked for; `placements` in the result gives the
+per-device totals under every placement, each row's `roles` saying which is the headline, the run's and the
+prior art's. The comparison with the article is always made under the prior art's placement.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import dataclasses
 import math
 
 from glm53.config import ModelConfig
+from glm53.config.mesh import MeshConfig
 from glm53.memory import prior_art
 from glm53.memory.caches import CacheLayout, context_set_bytes
 from glm53.memory.inventory import param_counts
@@ -34,6 +38,7 @@ from glm53.quant.mixes import (
 )
 
 GB = qbudget.GB  # 1e9 bytes: the unit of the article and of sizes on the Hub
+PRIOR_ART = "prior_art"  # the placement the article's figures were measured under
 
 
 # ---------------------------------------------------------------------------------------------- experts
@@ -121,17 +126,20 @@ def memory_budget(
     context: int = 262144,
     streams: int = 3,
     *,
-    placement: str = "prior_art",
+    placement: str | Placement | None = None,
+    mesh_rules: str = MeshConfig().rules,
     layout: str = "planes",
     cache: CacheLayout | None = None,
     vision: bool = True,
     workspace_gb: float | None = None,
     ladder: bool = False,
 ) -> dict:
-    """The per-device memory budget (bytes) as a JSON-able dict; see the module docstring."""
+    """The per-device memory budget (bytes) as a JSON-able dict; see the module docstring. `placement` (None:
+    `mesh_rules`) is the headline; `mesh_rules` names the placement the experiment runs (config ``mesh.rules``)."""
     if devices < 1 or streams < 0 or hbm_gb <= 0:
         raise ValueError(f"need devices >= 1, streams >= 0, hbm_gb > 0; got {devices}, {streams}, {hbm_gb}")
-    place = get_placement(placement)
+    run_place = get_placement(mesh_rules)
+    place = run_place if placement is None else get_placement(placement)
     cache = CacheLayout() if cache is None else cache
     counts = param_counts(cfg)
     label, mix = expert_mix(cfg, experts)
@@ -185,10 +193,12 @@ def memory_budget(
             experts=experts,
             experts_label=label,
             placement=place.name,
+            run_placement=run_place.name,
             layout=layout,
             vision=vision,
             cache=dataclasses.asdict(cache),
         ),
+        headline_placement=place.name,
         **counts,
         routed_gguf_bytes=mb.gguf,
         routed_planes_bytes=mb.total,
@@ -227,7 +237,8 @@ def memory_budget(
         fits=total <= hbm,
         max_streams=max_streams,
         placements=placement_table(
-            cfg, mix, devices, layout, cache, context, streams, hbm, vision_dev + workspace
+            cfg, mix, devices, layout, cache, context, streams, hbm, vision_dev + workspace,
+            headline=place.name, run=run_place.name,
         ),
         storage_rules={k: dataclasses.asdict(v) for k, v in STORAGE.items()}
         | {"vision": dataclasses.asdict(VISION_STORAGE)},
@@ -235,14 +246,21 @@ def memory_budget(
             mtp_params=counts["mtp_params"],
             why="the MTP block (layer 45) is not served by the prior art (its cache only with --mtp_cache)",
         ),
-        assumptions=_assumptions(place, cache, ws_source, layout),
+        assumptions=_assumptions(place, run_place, cache, ws_source, layout),
     )
-    if ref_setup and mix == UD_IQ3_XXS and layout == "planes" and place.name == "prior_art":
+    if ref_setup and mix == UD_IQ3_XXS and layout == "planes":
         out["article_reconstruction"] = dict(
             weights_bytes_per_device=article_sum,
             residual_bytes_per_device=prior_art.REFERENCE["hbm_used_gb"] * GB - article_sum,
         )
-        out["comparison"] = prior_art.comparison(out, article_sum, itemised_ref, residual)
+        out["comparison_placement"] = PRIOR_ART
+        if place.name == PRIOR_ART:
+            out["comparison"] = prior_art.comparison(out, article_sum, itemised_ref, residual)
+        else:  # the article measured the prior art's layout: compare under it, whatever the headline
+            out["comparison"] = memory_budget(
+                cfg, experts, devices, hbm_gb, context, streams, placement=PRIOR_ART, mesh_rules=mesh_rules,
+                layout=layout, cache=cache, vision=vision, workspace_gb=workspace_gb,
+            )["comparison"]  # fmt: skip
     if ladder:
         out["ladder"] = ladder_table(cfg, devices, hbm, rest, ctx_total, streams, layout, place)
     return out
@@ -258,21 +276,27 @@ def placement_table(
     streams: int,
     hbm: int,
     fixed: int,
+    *,
+    headline: str | None = None,
+    run: str | None = None,
 ) -> dict:
-    """{placement: per-device bytes (experts, non-expert, one context set, total), fits, max streams} for every
-    placement of `PLACEMENTS`; `fixed` (vision + workspace) is the same for all."""
+    """{placement: per-device bytes (experts, non-expert, one context set, total), fits, max streams, roles} for
+    every placement of `PLACEMENTS`; `fixed` (vision + workspace) is the same for all. `roles` lists "headline"
+    (the placement `headline`), "run" (`run`: the config's mesh rules) and "prior art" as they apply."""
     rows = {}
     for name, p in PLACEMENTS.items():
+        roles = [r for r, n in (("headline", headline), ("run", run), ("prior art", PRIOR_ART)) if n == name]
         try:
             experts = expert_bytes(cfg, mix, devices, layout, p).per_device
             non_expert = sum(r["bytes_per_device"] for r in non_expert_by_class(cfg, devices, p).values())
             ctx = sum(context_set_bytes(cfg, context, devices, cache, p).values())
         except ValueError as e:
-            rows[name] = dict(note=p.note, error=str(e))
+            rows[name] = dict(note=p.note, roles=roles, error=str(e))
             continue
         total = experts + non_expert + fixed + streams * ctx
         rows[name] = dict(
             note=p.note,
+            roles=roles,
             routed_experts=experts,
             non_expert=non_expert,
             context_set=ctx,
@@ -283,10 +307,17 @@ def placement_table(
     return rows
 
 
-def _assumptions(place: Placement, cache: CacheLayout, workspace_source: str, layout: str) -> list[str]:
+def _assumptions(
+    place: Placement, run: Placement, cache: CacheLayout, workspace_source: str, layout: str
+) -> list[str]:
+    whose = (
+        "the rule set the config runs (mesh.rules)"
+        if place.name == run.name
+        else f"asked for; the config runs {run.name!r}"
+    )
     return [
         "GB = 1e9 bytes.",
-        f"Placement {place.name!r} (glm53/memory/placement.py: {place.note}): every tensor split as its logical "
+        f"Placement {place.name!r}, {whose} (glm53/memory/placement.py: {place.note}): every tensor split as its logical "
         f"axes say under rule set {place.rules.name!r}"
         + (
             f", int8 matrices it leaves whole under {place.whole_matrices.name!r}"

@@ -4,9 +4,10 @@ A public JAX engine serves GLM-5.3-Flash on eight 16.9 GB chips with pure tensor
 and the UD-IQ3_XXS experts; it and an audit article of its memory give the figures of `REFERENCE`
 (docs/architecture.md §12). Its layout differs from the rules the model here runs with (`TP_RULES`) in two ways:
 
-  * caches: the MLA latent and indexer caches are sequence-sharded by pool (pool p on device p mod n) and the
-    KDA conv state is split by channel, where `TP_RULES` replicates both over "model": `PRIOR_ART_RULES`, a
-    valid rule set for `glm53.parallel.shard.cache_shardings`;
+  * caches: the MLA latent and indexer caches are sequence-sharded by pool (pool p on device p mod n), as
+    `TP_RULES` now shards them too, and the KDA conv state is split by channel, where `TP_RULES` replicates it
+    over "model" (q|k|v concatenated on one axis): `PRIOR_ART_RULES`, a valid rule set for
+    `glm53.parallel.shard.cache_shardings`;
   * the low-rank down-projections (q_a, kv_a, KDA f_a / g_a, indexer wk / compress_gate), which `TP_RULES`
     replicates, are split along their output axis: `PRIOR_ART_LOW_RANK_RULES`, applied only to the int8
     matrices `PRIOR_ART_RULES` leaves whole. No single rule set says this: the output axis of a down-projection
@@ -14,7 +15,7 @@ and the UD-IQ3_XXS experts; it and an audit article of its memory give the figur
     tensor on one mesh axis are a collision.
 
 On the release shapes over 8 devices the second point is 1.28 GB of non-expert weights per device instead of the
-1.40 GB of `TP_RULES`; the first is 0.23 GB per 262k context set instead of 1.70 GB.
+1.40 GB of `TP_RULES`; the first is 0.228 GB per 262k context set instead of 0.232 GB (the conv state).
 """
 
 from __future__ import annotations

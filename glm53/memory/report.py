@@ -19,6 +19,13 @@ def _line(label: str, nbytes: float, note: str = "") -> str:
     return f"  {label:40s} {_gb(nbytes):>8s}   {note}".rstrip()
 
 
+def _whose(placement: str, run: str) -> str:
+    """`placement` and whose it is: the run's (the config's mesh.rules) or asked for instead of the run's."""
+    if placement == run:
+        return f"{placement} (the config's mesh.rules: what the run uses)"
+    return f"{placement} (asked for with --placement; the run uses {run})"
+
+
 def _header(r: dict) -> list[str]:
     c = r["config"]
     growth = (
@@ -29,7 +36,7 @@ def _header(r: dict) -> list[str]:
     head = f"{c['experts_label']} ({c['layout']}), {c['devices']} devices x {c['hbm_gb']} GB"
     return [
         f"GLM-5.3-Flash memory budget: {head}, {c['streams']} context set(s) of {c['context']:,} tokens, "
-        f"placement {c['placement']}",
+        f"placement {_whose(c['placement'], c['run_placement'])}",
         "",
         "parameters",
         f"  total           {r['total_params']:>17,}  = trunk {r['text_trunk_params']:,} + lm_head "
@@ -80,26 +87,37 @@ def _per_device(r: dict) -> list[str]:
     ]
 
 
+_ROLE = {"run": "the run's", "prior art": "the prior art's", "headline": "headline"}
+
+
 def _placements(r: dict) -> list[str]:
     lines = [
         "",
         "per device under each placement (same mix, vision and workspace)",
-        f"  {'placement':10s} {'experts':>8s} {'non-exp':>8s} {'ctx set':>8s} {'total':>8s}  fits  max sets",
+        f"  {'placement':10s} {'experts':>8s} {'non-exp':>8s} {'ctx set':>8s} {'total':>8s}  fits  max sets  "
+        f"{'whose':26s} rules",
     ]
     for name, row in r["placements"].items():
+        roles = ", ".join(_ROLE[x] for x in row.get("roles", ()))
         if "error" in row:
-            lines.append(f"  {name:10s} n/a: {row['error']}")
+            lines.append(f"  {name:10s} n/a: {row['error']}  ({roles or 'other'})")
             continue
         lines.append(
             f"  {name:10s} {_gb(row['routed_experts']):>8s} {_gb(row['non_expert']):>8s} "
             f"{_gb(row['context_set']):>8s} {_gb(row['total']):>8s}  {'yes ' if row['fits'] else 'no  '}  "
-            f"{row['max_streams']}   {row['note']}"
+            f"{row['max_streams']!s:8s}  {roles or 'other':26s} {row['note']}"
         )
     return lines
 
 
 def _comparison(r: dict) -> list[str]:
-    lines = ["", f"{'quantity':70s} {'ours':>16s} {'article':>16s}  why it differs"]
+    place = r.get("comparison_placement", r["config"]["placement"])
+    lines = [
+        "",
+        f"compared with the audit article, under the prior art's placement ({place}, whose totals are in its "
+        "row above)" + ("" if place == r["config"]["placement"] else f", not the headline's ({r['config']['placement']})"),
+        f"{'quantity':70s} {'ours':>16s} {'article':>16s}  why it differs",
+    ]
     for row in r["comparison"]:
         q, d = f"{row['quantity']} ({row['unit']})", row["decimals"]
         ref = _num(row["reference"], d - 2 if d is not None else None)

@@ -22,6 +22,7 @@ from kernels.kda.reference import live_state  # noqa: F401 (re-exported: layers 
 _CHUNK = {"reference": reference.chunk_kda, "xla_cpu": xla_cpu.chunk_kda}
 _RECURRENT = {"reference": reference.recurrent_kda, "xla_cpu": xla_cpu.recurrent_kda}
 _AUTO: dict[str, str] = {"cpu": "xla_cpu"}  # backend -> implementation "auto" runs
+AUTO_BY_BACKEND = _AUTO  # public: what "auto" picks per backend (glm53.config.kernels, the entry points' start-up block)
 IMPLEMENTATIONS = (dispatch.AUTO, *_CHUNK)
 
 

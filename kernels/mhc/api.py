@@ -17,6 +17,7 @@ from kernels.mhc import reference, xla_cpu
 _PRE = {"reference": reference.mhc_pre, "xla_cpu": xla_cpu.mhc_pre}
 _POST = {"reference": reference.mhc_post, "xla_cpu": xla_cpu.mhc_post}
 _AUTO: dict[str, str] = {"cpu": "xla_cpu"}  # backend -> implementation "auto" runs
+AUTO_BY_BACKEND = _AUTO  # public: what "auto" picks per backend (glm53.config.kernels, the entry points' start-up block)
 IMPLEMENTATIONS = (dispatch.AUTO, *_PRE)  # the names `implementation=` takes (glm53.config.kernels validates)
 
 

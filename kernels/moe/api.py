@@ -147,10 +147,15 @@ _IMPLEMENTATIONS = {
 # pick <name>_decode / <name>_prefill by routed slots
 _BY_SLOTS = ("xla_quant", "xla_cpu", "pallas_tpu", "pallas_gpu")
 _AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cpu": "xla_cpu"}  # backend -> what "auto" runs
+AUTO_BY_BACKEND = _AUTO  # public: what "auto" picks per backend (glm53.config.kernels, the entry points' start-up block)
 # What "auto" runs where a gradient is taken (`kernels.dispatch.differentiable`, glm53.train's loss): the experts
 # above loop over a dynamic number of distinct experts (no reverse mode); the grouped matmul has one.
 AUTO_DIFFERENTIABLE = "blocked"
 IMPLEMENTATIONS = (dispatch.AUTO, *_BY_SLOTS, *_IMPLEMENTATIONS)
+# What each named implementation takes (checked where a model is built, glm53.model): the Pallas kernels decode
+# QuantizedExperts only; the blocked grouped matmul multiplies dense kernels only.
+QUANTIZED_ONLY = tuple(n for n in IMPLEMENTATIONS if n.startswith(("pallas_tpu", "pallas_gpu")))
+DENSE_ONLY = ("blocked",)
 
 
 # The implementations that read decode programs' wrapped expert weights as they are

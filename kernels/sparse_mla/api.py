@@ -33,6 +33,7 @@ from kernels.sparse_mla import gather, reference
 _MLA = {"reference": reference.sparse_mla, "gather": gather.sparse_mla}
 _MHA = {"reference": reference.sparse_mha}
 _AUTO: dict[str, str] = {"cpu": "gather", "gpu": "gather", "tpu": "gather"}  # backend -> what "auto" runs
+AUTO_BY_BACKEND = _AUTO  # public: what "auto" picks per backend (glm53.config.kernels, the entry points' start-up block)
 IMPLEMENTATIONS = (dispatch.AUTO, *_MLA)  # the names `sparse_mla`'s `implementation=` takes
 
 selection_mask = reference.selection_mask
