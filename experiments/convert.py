@@ -1,7 +1,7 @@
 """Convert HF safetensors (+ GGUF routed experts) into a glm53 Orbax checkpoint.
 
   python -m experiments.convert --hf=HF_DIR --out=CKPT_DIR
-  python -m experiments.convert --hf=HF_DIR --gguf=EXPERTS.gguf --out=CKPT_DIR --dtype=bf16 --int8
+  python -m experiments.convert --hf=HF_DIR --gguf=EXPERTS.gguf --out=CKPT_DIR --dtype=bfloat16 --int8
   python -m experiments.convert --hf=HF_DIR --gguf=M-00001-of-00003.gguf --gguf=M-00002-of-00003.gguf ... --out=CKPT_DIR
 
 Non-expert weights come from the HF folder (bf16 / fp32 / FP8, cast to --dtype, or per-channel int8 with --int8);
@@ -24,7 +24,7 @@ _HF = flags.DEFINE_string("hf", None, "HF safetensors folder (config.json + weig
 _GGUF = flags.DEFINE_multi_string("gguf", [], "GGUF file with the routed experts (repeat for split shards)")
 _OUT = flags.DEFINE_string("out", None, "output checkpoint directory (must not exist)", required=True)
 _DTYPE = flags.DEFINE_enum(
-    "dtype", "bf16", ["bf16", "bfloat16", "float32", "f32"], "floating parameter dtype"
+    "dtype", "bfloat16", ["bfloat16", "float32"], "floating parameter dtype (spelled as every entry point spells it)"
 )
 _INT8 = flags.DEFINE_bool("int8", False, "store large non-expert matrices as per-channel int8")
 _INT8_MIN = flags.DEFINE_integer(

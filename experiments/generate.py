@@ -59,6 +59,9 @@ _VERIFY = flags.DEFINE_bool("verify", True, "check the CRC-32 of every tensor of
 _MOE_IMPL = cli.define_moe_impl_flag()
 
 
+RULE = "-" * 40
+
+
 def sampling_params(eos_ids=()) -> SamplingParams:
     """The sampling flags as SamplingParams; UsageError naming the flag outside its domain."""
     try:
@@ -156,10 +159,13 @@ def main(argv):
         print("chat:", repr(chat))
     print("prompt ids:", ids)
     print("new ids:", new)
-    print("text:", repr(tok.decode(new)))
-    line = f"prefill {len(ids)} tokens in {res.prefill_s:.3f}s (incl. compile); decode {len(new)} tokens in {res.decode_s:.3f}s"
+    print("text (as printed, between the rules):")
+    print(RULE, tok.decode(new), RULE, sep="\n")
+    mode = "speculative decoding, its first (compiling) run: " if _SPEC.value else ""
+    line = (f"{mode}prefill {len(ids)} tokens in {res.prefill_s:.3f}s (compilation included); decode {len(new)} "
+            f"tokens in {res.decode_s:.3f}s (compilation included)")  # fmt: skip
     if res.steady_steps:
-        line += f"; steady decode {res.steady_tokens_per_s:.1f} tok/s per stream (after the first, compiling step)"
+        line += f"; steady decode {res.steady_tokens_per_s:.1f} tok/s per stream (compilation excluded: after the first step)"
     print(line)
     if _SPEC.value:
         print(f"MTP drafts accepted: {res.accepted}/{res.drafted} ({res.acceptance_rate:.1%})")

@@ -262,12 +262,15 @@ def weights_kind(weights: str) -> str:
     return "GGUF file"
 
 
-def describe_experts(model: Glm53Model) -> str:
+def describe_experts(model: Glm53Model, weights: str | None = None) -> str:
     """How the routed experts are held: dense arrays of their dtype, or GGUF blocks (the mix and the layout)."""
     if model.cfg.num_moe_layers == 0:
         return "none (no MoE layer)"
     quant = getattr(model, "quant", None)
     if quant is None or not quant.quantized:
+        if weights is not None and os.path.isfile(weights):  # a GGUF file, loaded without a quant section
+            return ("dense (the parameter dtype), dequantized from the GGUF's blocks on load (a config's quant "
+                    "section keeps them quantized)")  # fmt: skip
         return "dense (the parameter dtype)"
     return f"GGUF blocks, {quant.experts} ({quant.layout} layout), decoded inside the expert kernel"
 
@@ -304,7 +307,7 @@ def describe_model(model: Glm53Model, *, mesh: Mesh | None = None, rules: S.Rule
         f"  mesh: {placed}",
         f"  dtype: parameters {'/'.join(dtypes)}",
         f"  {describe_groups(model.groups)}",
-        f"  experts: {describe_experts(model)}",
+        f"  experts: {describe_experts(model, weights)}",
         f"  {kernel_config(model.kernels).describe()}",
     ]
     return "\n".join(lines)

@@ -258,7 +258,7 @@ def test_convert_and_score_cli(world, tmp_path):
     from experiments import score
 
     ckpt = str(tmp_path / "ckpt_bf16")
-    cmd = [sys.executable, "-m", "experiments.convert", f"--hf={world['hf']}", f"--out={ckpt}", "--dtype=bf16",
+    cmd = [sys.executable, "-m", "experiments.convert", f"--hf={world['hf']}", f"--out={ckpt}", "--dtype=bfloat16",
            "--chunk_bytes=4096"]  # fmt: skip
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

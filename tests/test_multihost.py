@@ -141,7 +141,7 @@ def converted(tmp_path_factory):
     export_hf(model, cfg, d / "hf", dtype="float32")
     one = convert(str(d / "hf"), str(d / "one"), dtype="float32", progress=False)
     out = _ok(_launch(sys.executable, "-m", "experiments.convert", f"--hf={d / 'hf'}", f"--out={d / 'two'}",
-                      "--dtype=f32"))  # fmt: skip
+                      "--dtype=float32"))  # fmt: skip
     return dict(one=one, two=str(d / "two"), model=model, stdout=out.stdout, hf=str(d / "hf"))
 
 
