@@ -5,7 +5,8 @@ F32 GGUF and the same file with the routed experts re-quantized), all in one pro
   python -m experiments.bench_peer --config=configs/tiny.py:gguf --formats=F32,UD-IQ3_XXS --prefill=16 \\
       --decode_steps=4 --batch=1,2 --repeats=1 --out=quick.json
 
-Per file and phase (prefill_P at batch 1, decode_bB) one progress line: tokens/s of each engine and the ratios
+Per file and phase (prefill_P at batch 1, decode_bB) one progress line (above a tqdm bar over the files on a
+terminal; llama.cpp's load logs only with --verbosity=0): tokens/s of each engine and the ratios
 glm53 / llama.cpp and glm53 / transformers (> 1: glm53 is faster; transformers runs the F32 weights only, its row
 is every file's reference). Warns when glm53's greedy tokens differ from llama.cpp's on the F32 file. --out
 writes the JSON result (rewritten after each file, so an interrupted run keeps what it measured), --profile=DIR a JAX profiler trace of one call of each glm53 phase per file (DIR/FORMAT).

@@ -25,7 +25,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from experiments import startup  # noqa: E402 -- defines --compilation_cache beside the flags above
-from glm53 import build
+from glm53 import build, logs
 from glm53.config.kernels import OPS, KernelConfig
 from glm53.errors import CheckpointError, ConfigError, DataError, GGUFError, ShardingError, TrainingError
 from glm53.parallel import distributed
@@ -181,6 +181,7 @@ def run(main: Callable[[list[str]], None]) -> None:
     def wrapped(argv):
         if not flags.FLAGS["verbosity"].present:
             logging.set_verbosity(logging.WARNING)
+        logs.quiet_third_party()  # libtpu's start-up chatter off unless --verbosity (glm53.logs)
         try:
             distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
         except ConfigError as e:

@@ -7,7 +7,8 @@
 Non-expert weights come from the HF folder (bf16 / fp32 / FP8, cast to --dtype, or per-channel int8 with --int8);
 routed experts from the GGUF (kept as planes of their GGUF formats, --quant_layout), or from the HF folder
 (dense) without --gguf. The MTP block is converted when the HF folder has one (--mtp=auto; transformers'
-save_pretrained writes none). A progress bar counts units (one per layer and per layer's experts). The checkpoint
+save_pretrained writes none). A progress bar counts units (one per layer and per layer's experts; off a terminal,
+a plain line every few seconds and one at the end, no carriage returns: glm53/progress.py). The checkpoint
 is written under CKPT_DIR.partial and renamed to CKPT_DIR when complete; rerunning an interrupted conversion with
 the same arguments and unchanged source files resumes it. Every tensor's CRC-32 is recorded and checked on load.
 Use the result with ``python -m experiments.score --weights=CKPT_DIR``.

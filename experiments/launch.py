@@ -9,7 +9,8 @@ Starts --processes copies of the command after ``--``, each with ``--coordinator
 point joins one `jax.distributed` system (`glm53.parallel.distributed`); with --devices_per_process, each
 process sees that many virtual CPU devices (XLA_FLAGS ``--xla_force_host_platform_device_count``, replacing any
 count in the environment, and JAX_PLATFORMS=cpu). Every line a process writes is passed on with the prefix
-``[I] `` (stdout to stdout, stderr to stderr).
+``[I] `` (stdout to stdout, stderr to stderr), except gloo's ``[Gloo] Rank N is connected to ...`` lines (CPU
+collectives), shown only with ``--verbosity=0`` given to the launcher or in the command.
 
 Failure handling: when one process exits non-zero (or is killed), the others are stopped (SIGTERM to each
 process group, SIGKILL after --grace seconds) and the launcher exits with that process's status (128 + signal
@@ -37,6 +38,8 @@ import threading
 import time
 
 from absl import app, flags
+
+from glm53 import logs
 
 _PROCESSES = flags.DEFINE_integer("processes", 2, "number of processes", lower_bound=1)
 _DEVICES = flags.DEFINE_integer(
@@ -93,11 +96,20 @@ def _die_with_parent() -> None:
     _PRCTL(1, signal.SIGKILL)
 
 
-def _pump(stream, out, prefix: str) -> None:
+def _pump(stream, out, prefix: str, drop=None) -> None:
+    """Passes `stream`'s lines to `out` with `prefix`, except those `drop` (a compiled bytes pattern) matches."""
     for line in iter(stream.readline, b""):
+        if drop is not None and drop.match(line):
+            continue
         out.buffer.write(prefix.encode() + line if line.endswith(b"\n") else prefix.encode() + line + b"\n")
         out.flush()
     stream.close()
+
+
+def quiet_gloo(command: list[str]) -> bool:
+    """Whether the processes' gloo connectivity lines are dropped: unless --verbosity >= 0 is given to the
+    launcher or in the command (`glm53.logs`: quiet unless verbose)."""
+    return not (logs.verbose() or logs.verbosity_in_args(command))
 
 
 def exit_status(returncode: int) -> int:
@@ -146,8 +158,13 @@ def _pass_signal(procs: list[subprocess.Popen], signals: list[int], grace: float
 
 
 def launch(command: list[str], processes: int, devices_per_process: int | None = None, *, port: int = 0,
-           grace: float = 15.0, timeout: float = 0.0, poll: float = 0.05) -> int:  # fmt: skip
-    """Runs `command` as `processes` JAX processes (module docstring); returns the exit status."""
+           grace: float = 15.0, timeout: float = 0.0, poll: float = 0.05, quiet: bool | None = None) -> int:  # fmt: skip
+    """Runs `command` as `processes` JAX processes (module docstring); returns the exit status. `quiet`: drop
+    gloo's connectivity lines (None: `quiet_gloo(command)`)."""
+    # On CPU the processes' collectives run over gloo, whose TCP transport prints "[Gloo] Rank N is connected to
+    # M peer ranks. ..." with std::cout for every context XLA:CPU creates (several per process), unconditionally:
+    # no environment variable or logging level reaches it, so the launcher drops those lines from what it passes on.
+    drop = logs.GLOO_LINE if (quiet_gloo(command) if quiet is None else quiet) else None
     coordinator = f"127.0.0.1:{port or free_port()}"
     env = process_env(dict(os.environ), devices_per_process)
     procs: list[subprocess.Popen] = []
@@ -169,7 +186,7 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
             procs.append(p)
         for i, p in enumerate(procs):  # threads only after every fork (preexec_fn runs in the forked child)
             for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-                t = threading.Thread(target=_pump, args=(stream, out, f"[{i}] "), daemon=True)
+                t = threading.Thread(target=_pump, args=(stream, out, f"[{i}] ", drop), daemon=True)
                 t.start()
                 pumps.append(t)
         start = time.monotonic()
@@ -221,5 +238,25 @@ def main(argv):
                     timeout=_TIMEOUT.value))  # fmt: skip
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+    """The launcher's own flags are those before ``--``; everything after it is the command. A launcher flag that
+    does not parse, or a command given without ``--``, is one usage-error line (exit 2)."""
+    own, sep, command = (argv, [], []) if "--" not in argv else (argv[: argv.index("--")], ["--"], argv[argv.index("--") + 1 :])
+    try:
+        rest = flags.FLAGS(own)
+    except flags.Error as e:
+        print(f"usage error: {e}; the command to launch goes after --, e.g. python -m experiments.launch "
+              "--processes=2 -- python -m experiments.score ...", file=sys.stderr)  # fmt: skip
+        sys.exit(2)
+    if len(rest) > 1:
+        print(f"usage error: {rest[1:]}: the command to launch goes after --, e.g. python -m experiments.launch "
+              "--processes=2 -- python -m experiments.score ...", file=sys.stderr)  # fmt: skip
+        sys.exit(2)
+    return rest + sep + command
+
+
 if __name__ == "__main__":
-    app.run(main)
+    if any(a in ("--help", "-h", "--helpshort", "--helpfull") for a in sys.argv[1 : (sys.argv + ["--"]).index("--")]):
+        print(__doc__.strip() + "\n\n" + flags.FLAGS.main_module_help())
+        sys.exit(0)
+    app.run(main, flags_parser=parse_flags)

@@ -6,7 +6,8 @@
 The work directory holds the prepared data (tokenizer + token files), the Orbax checkpoints, run.json and
 metrics.jsonl and, at the end, loss.png (glm53/train/loop.py); running the command again on it resumes from its latest checkpoint.
 ``--steps=N`` stops at step N (default: the config's optim.total_steps); ``--progress=false`` turns the progress
-bar off (it is off anyway when stderr is not a terminal).
+bar off (it is off anyway when stderr is not a terminal: the step lines, printed above the bar, are the progress).
+tokens/s excludes compilation: the first step is timed apart ("compiled in X s" on its line).
 """
 
 from absl import app, flags
@@ -21,7 +22,9 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "training config (conf
                                           lock_config=True)  # fmt: skip
 _WORKDIR = flags.DEFINE_string("workdir", None, "work directory (created; resumed when it holds a run)")
 _STEPS = flags.DEFINE_integer("steps", None, "stop at this step (default: optim.total_steps)")
-_PROGRESS = flags.DEFINE_bool("progress", True, "a progress bar on stderr (only when it is a terminal)")
+_PROGRESS = flags.DEFINE_bool(
+    "progress", True, "a progress bar on stderr (only when it is a terminal; elsewhere the step lines alone)"
+)
 
 
 def main(argv):

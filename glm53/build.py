@@ -282,19 +282,19 @@ def describe_run(run: ShardedModel, **kw) -> str:
 
 def describe_model(model: Glm53Model, *, mesh: Mesh | None = None, rules: S.Rules | None = None,
                    config_name: str | None = None, seed: int | None = None, weights: str | None = None,
-                   label: str | None = None) -> str:  # fmt: skip
+                   label: str | None = None, training: bool = False) -> str:  # fmt: skip
     """The model part of an entry point's start-up block (docs/workbench.md), one line each: what runs (`label`,
     e.g. the default model's name, else the weights, or the config and seed of a random model, whose output is
     noise), the parameter count and the MTP block; the weights; the mesh (None: one device, unsharded); the
     parameter dtype; the layer groups; how the routed experts are held; the implementation each kernel op
-    dispatches to on this backend."""
+    dispatches to on this backend (`training`: under the gradient, where "auto" picks differentiable ones)."""
     params = jax.tree.leaves(nnx.state(model, nnx.Param))
     n = sum(int(np.prod(x.shape)) for x in params)
     dtypes = sorted({str(x.dtype) for x in params if jnp.issubdtype(x.dtype, jnp.floating)})
     what = label or (
         f"weights {weights}"
         if weights
-        else f"config {config_name}, random weights (seed {seed}): output is noise"
+        else f"config {config_name}, random weights (seed {seed})" + ("" if training else ": output is noise")
     )
     mtp = "with" if model.mtp is not None else "without"
     if mesh is None:
@@ -303,11 +303,14 @@ def describe_model(model: Glm53Model, *, mesh: Mesh | None = None, rules: S.Rule
         placed = f"{dict(mesh.shape)} over {mesh.size} {mesh.devices.flat[0].platform} device(s), rules {rules.name}"
     lines = [
         f"  model: {what}; {n / 1e6:.2f}M parameters, {mtp} MTP",
-        f"  weights: {weights} ({weights_kind(weights)})" if weights else "  weights: random init",
+        f"  weights: {weights} ({weights_kind(weights)})" if weights else (
+            f"  weights: random init (seed {seed}), unless the work directory's latest checkpoint is resumed"
+            if training else "  weights: random init"
+        ),
         f"  mesh: {placed}",
         f"  dtype: parameters {'/'.join(dtypes)}",
         f"  {describe_groups(model.groups)}",
         f"  experts: {describe_experts(model, weights)}",
-        f"  {kernel_config(model.kernels).describe()}",
+        f"  {kernel_config(model.kernels).describe(differentiable=training)}",
     ]
     return "\n".join(lines)

@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 from configs import tiny
-from glm53 import build
-from glm53.ablation import pipeline, report, stats
+from glm53 import build, logs
+from glm53.ablation import llama, pipeline, report, stats
 from glm53.ablation.variants import parse_variants
 from glm53.checkpoint.gguf import open_gguf_model
 from glm53.checkpoint.gguf_export import model_params, write_gguf
@@ -169,3 +169,20 @@ def test_latent_cache_variants(base, monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match="no DSA layer"):
         parse_variants("F32+latent_int8", no_dsa)
     parse_variants("F32", no_dsa)
+
+
+def test_llama_cpp_loads_print_nothing_at_default_verbosity(base, capfd):
+    """Each llama.cpp load (`glm53.ablation.llama`, as every ablation variant does) prints nothing at the default
+    verbosity: no "load: adding N dummy tokens", no metadata dump (`glm53.logs.quiet_llama_cpp`); asked for
+    (--verbosity=0), llama.cpp logs again."""
+    d, tokens = base
+    capfd.readouterr()
+    with llama.LlamaLogits(d / "base_in.gguf", N_CTX, threads=1) as m:
+        assert m.logits(tokens[0]).shape == (N_CTX, m.n_vocab)
+    assert capfd.readouterr().err == ""
+    try:
+        with llama.LlamaLogits(d / "base_in.gguf", N_CTX, threads=1, quiet=False):
+            pass
+        assert "llama_model_loader" in capfd.readouterr().err
+    finally:
+        logs.quiet_llama_cpp()

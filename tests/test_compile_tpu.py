@@ -37,6 +37,8 @@ def result(tmp_path_factory):
     assert p.returncode == 0, p.stderr[-4000:]
     assert "| decode 1x1 |" in p.stdout and "| prefill 1x16 |" in p.stdout
     assert not os.path.exists(f"{out}.partial")
+    # quiet by default (glm53/logs.py): libtpu's start-up messages held back, no progress carriage returns
+    assert "InitGoogle" not in p.stderr and "host bounds" not in p.stderr and "\r" not in p.stdout + p.stderr
     return json.loads(out.read_text())
 
 

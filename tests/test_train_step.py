@@ -5,8 +5,11 @@ non-finite loss)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
+import re
 
 import jax
 import numpy as np
@@ -46,14 +49,16 @@ def run(tmp_path_factory):
     vocab = prepare_data(data_config_from_dict(_config(root, 0).data), work / "data", log=lambda s: None)[
         "vocab_size"
     ]
-    trainer = Trainer(_config(root, vocab), str(work), log=lambda s: None)
+    trainer = Trainer(_config(root, vocab), str(work))  # log=print: its lines, as the entry point prints them
     biases0 = [np.asarray(x) for x in jax.tree.leaves(trainer.state.biases)]
-    first = trainer.train(1)
-    loads1 = {k: np.asarray(v) for k, v in trainer.last_loads.items()}
-    biases1 = [np.asarray(x) for x in jax.tree.leaves(trainer.state.biases)]
-    logged = first + trainer.train(4)
+    out, err = io.StringIO(), io.StringIO()  # not terminals, as a log file or CI
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        first = trainer.train(1)
+        loads1 = {k: np.asarray(v) for k, v in trainer.last_loads.items()}
+        biases1 = [np.asarray(x) for x in jax.tree.leaves(trainer.state.biases)]
+        logged = first + trainer.train(4)
     yield dict(root=root, work=work, vocab=vocab, trainer=trainer, logged=logged, biases=(biases0, biases1),
-               loads1=loads1)  # fmt: skip
+               loads1=loads1, stdout=out.getvalue(), stderr=err.getvalue())  # fmt: skip
     trainer.close()
 
 
@@ -79,18 +84,13 @@ def test_metrics_jsonl_and_checkpoints(run):
         1,
         4,
     ]  # at eval_every and where train() stops
-    for key in (
-        "loss",
-        "lm_loss",
-        "mtp_loss",
-        "ppl",
-        "lr",
-        "grad_norm",
-        "load_max",
-        "load_min",
-        "tokens_per_s",
-    ):
+    for key in ("loss", "lm_loss", "mtp_loss", "ppl", "lr", "grad_norm", "load_max", "load_min"):
         assert all(math.isfinite(r[key]) for r in train), key
+    # log_every 1, train(1) then train(4): the first step of each call is timed apart (compilation), so steps 1
+    # and 2 have compile_s and no tokens/s; steps 3 and 4 have tokens/s and no compile_s
+    assert ["tokens_per_s" in r for r in train] == [False, False, True, True]
+    assert ["compile_s" in r for r in train] == [True, True, False, False]
+    assert all(math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 for r in train[2:])
     assert train[0]["lr"] == 0.0 and train[1]["lr"] > 0  # warmup from 0
     assert 0 < evals[1]["loss"] < evals[0]["loss"]  # 4 steps already lower the validation loss
     assert 0 < evals[0]["loss"] < math.log(run["vocab"]) + 1 and evals[0]["ppl"] == pytest.approx(
@@ -99,6 +99,20 @@ def test_metrics_jsonl_and_checkpoints(run):
     assert abs(train[0]["loss"] - train[0]["lm_loss"] - 0.3 * train[0]["mtp_loss"]) < 1e-3
     assert t.manager.all_steps() == [2, 4]
     assert (run["work"] / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the loss curves
+
+
+def test_output_off_a_terminal_plain_lines_and_no_compile_inclusive_throughput(run):
+    """Off a terminal: no progress bar, no carriage return, the step lines alone; the first step's line reports
+    its compilation ("compiled in X s"), not a compile-inclusive tok/s; later lines report tok/s."""
+    assert "\r" not in run["stdout"] + run["stderr"]
+    assert run["stderr"] == ""  # no bar (nor anything else) on stderr
+    steps = [ln for ln in run["stdout"].splitlines() if ln.startswith("step ")]
+    assert [ln.split()[1] for ln in steps] == ["1/1", "2/4", "3/4", "4/4"]
+    for first in steps[:2]:  # the first step of each train() call
+        assert "compiled in" in first and not re.search(r"\d tok/s", first), first
+    for later in steps[2:]:
+        assert later.endswith(" tok/s") and "compiled" not in later, later
+    assert "eval step 4: validation loss" in run["stdout"]
 
 
 def test_resume_reproduces_the_uninterrupted_losses(run):

@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRY_POINTS = sorted(
     f"experiments.{os.path.basename(p)[:-3]}"
     for p in glob.glob(os.path.join(ROOT, "experiments", "*.py"))
-    if "cli.run(main)" in open(p).read()
+    if "cli.run(main)" in open(p).read() or p.endswith("launch.py")
 )
 WITH_CONFIG = [e for e in ENTRY_POINTS if "DEFINE_config_file" in open(os.path.join(ROOT, *e.split("."))
                                                                           .__add__(".py")).read()]  # fmt: skip
@@ -50,6 +50,14 @@ def run_forked(module: str, *args: str) -> tuple[int, str, str]:
                 sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 -- pytest's capture is no file descriptor
                 sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
                 sys.argv = [module, *args]
+                from absl import flags
+
+                keep = ("absl", "experiments.cli", "experiments.startup")
+                for mod, defined in list(flags.FLAGS.flags_by_module_dict().items()):  # an entry point another
+                    if not mod.startswith(keep):  # test imported: its flags are defined anew by the child
+                        for f in list(defined):
+                            if f.name in flags.FLAGS:
+                                flags.FLAGS.__delattr__(f.name)
                 runpy.run_module(module, run_name="__main__", alter_sys=True)
                 code = 0
             except SystemExit as e:
@@ -124,6 +132,8 @@ def test_misspelled_config_key_is_one_usage_line(module, tmp_path):
         ("experiments.generate", ["--config=tiny:nope", "--prompt=x"], "unknown variant 'nope'"),
         ("experiments.train", ["--config=tiny", "--workdir=w"], "not a training config"),
         ("experiments.generate", ["--prompt=x", "--no_such_flag=1"], "no_such_flag"),
+        ("experiments.launch", ["-m", "experiments.generate"], "the command to launch goes after --"),
+        ("experiments.launch", ["--processes=x", "--", "python", "-c", "1"], "--processes=x"),
         ("experiments.generate", ["--config=tiny", "--prompt=x", "--moe_impl=reference"],
          "--moe_impl=reference: with --config, set --config.kernels.moe=reference instead"),
     ],

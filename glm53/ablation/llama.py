@@ -9,10 +9,11 @@ Tokens are fed as ids (the GGUFs glm53 writes have tokenizer model "none"; no BO
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 
 import numpy as np
+
+from glm53 import logs
 
 INSTALL = "pip install llama-cpp-python==0.3.36 (or pip install -e '.[test]')"
 _READY: list[bool] = []
@@ -27,11 +28,13 @@ def check_available() -> None:
 class LlamaLogits:
     """`logits(tokens)` -> float32 [n, n_vocab] for one chunk of n <= n_ctx tokens; `close()` frees everything."""
 
-    def __init__(self, path: str | os.PathLike, n_ctx: int, threads: int | None = None):
+    def __init__(self, path: str | os.PathLike, n_ctx: int, threads: int | None = None, quiet: bool | None = None):
+        """`quiet`: llama.cpp's logs off (None: unless the run asks for logs, `glm53.logs.quiet_llama_cpp`)."""
         check_available()
         import llama_cpp  # optional dependency (the `test` extra); loaded only when a cross-check runs
 
         self._l = llama_cpp
+        logs.quiet_llama_cpp(quiet)  # load logs ("load: adding N dummy tokens", ...) only with --verbosity >= 0
         if not _READY:
             llama_cpp.llama_backend_init()
             _READY.append(True)
@@ -86,5 +89,6 @@ class LlamaLogits:
 
 
 def quiet() -> None:
-    """llama.cpp's log lines off (llama-cpp-python routes them to its logger, shown at ERROR and above)."""
-    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+    """llama.cpp's log lines off unless the run asks for logs (`glm53.logs.quiet_llama_cpp`; every load of
+    `LlamaLogits` does this too)."""
+    logs.quiet_llama_cpp()

@@ -14,7 +14,6 @@ import dataclasses
 import json
 import math
 import os
-import sys
 import time
 
 import jax
@@ -38,6 +37,7 @@ from glm53.data.corpus import find_sources
 from glm53.data.prepare import DataConfig
 from glm53.errors import ConfigError
 from glm53.files import atomic_write, write_json
+from glm53.progress import Progress
 from glm53.quant import ggml
 from glm53.quant.int8 import quantize_int8
 from glm53.quant.mixes import MATRICES
@@ -235,12 +235,6 @@ def weight_errors(path: str, params, cfg: ModelConfig) -> tuple[dict, dict]:
     return {k: math.sqrt(d / s) if s else 0.0 for k, (d, s) in err.items()}, per_layer
 
 
-def _progress(i: int, n: int, text: str) -> None:
-    w = 30
-    fill = w * i // max(n, 1)
-    print(f"[{'#' * fill}{'.' * (w - fill)}] {i}/{n} {text}", file=sys.stderr, flush=True)
-
-
 def run(c: AblateConfig, out: str, *, log=print) -> dict:
     """The sweep (module docstring); returns results.json's content."""
     weights, label = base_weights(c)
@@ -323,16 +317,19 @@ def _sweep(c, out, weights, cfg, chunks, todo: list[Variant], results: dict, log
         imp = imx.read_imatrix(path)
         results["imatrix"] = os.path.basename(path) if not c.imatrix else c.imatrix
     log(f"base model, logits and base.gguf: {time.time() - t0:.1f} s")
-    for i, v in enumerate(todo):
-        _progress(i, len(todo), v.name)
-        t1 = time.time()
-        results["variants"].append(_variant(c, out, cfg, params, chunks, v, base, base_ll, imp))
-        results["variants"][-1]["seconds"] = round(time.time() - t1, 1)
-        write_json(os.path.join(out, RESULTS), results)
-        r = results["variants"][-1]
-        log(f"{v.name}: {r['bpw']:.3f} bpw, KLD {r['kld']['mean']:.3e}, same top-1 {100 * r['same_top1']:.2f}%, "
-            f"PPL ratio {r['ppl'] / r['ppl_base']:.5f} ({r['seconds']} s)")  # fmt: skip
-    _progress(len(todo), len(todo), "done")
+    # a tqdm bar over the variants on a terminal; elsewhere each variant's result line is its progress
+    with Progress(len(todo), desc="ablate", unit="variant", lines=False) as bar:
+        for v in todo:
+            bar.set_postfix(v.name)
+            t1 = time.time()
+            results["variants"].append(_variant(c, out, cfg, params, chunks, v, base, base_ll, imp))
+            results["variants"][-1]["seconds"] = round(time.time() - t1, 1)
+            write_json(os.path.join(out, RESULTS), results)
+            r = results["variants"][-1]
+            bar.write(f"{v.name}: {r['bpw']:.3f} bpw, KLD {r['kld']['mean']:.3e}, same top-1 "
+                      f"{100 * r['same_top1']:.2f}%, PPL ratio {r['ppl'] / r['ppl_base']:.5f} ({r['seconds']} s)",
+                      log)  # fmt: skip
+            bar.update(1)
 
 
 def _variant(c, out, cfg, params, chunks, v: Variant, base, base_ll, imp) -> dict:

@@ -25,6 +25,7 @@ times a second compile with the persistent compilation cache warm and a `jax.exp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from glm53 import logs
 from glm53 import parallel as S
 from glm53.benchmarks import compiled_hlo, harness
 from glm53.benchmarks.compile_programs import Unit, device_bytes, programs
@@ -45,6 +47,7 @@ from glm53.memory.inventory import tensor_class
 from glm53.memory.placement import PLACEMENTS, Placement, get_placement
 from glm53.memory.weights import STORAGE, non_expert_by_class, storage_value, tensor_rules
 from glm53.model import Glm53Model
+from glm53.progress import Progress
 from glm53.testing import tpu
 
 COMPOSE = ("kinds", "full")
@@ -221,11 +224,20 @@ def _gb(n: float) -> str:
 def run(
     config: ml_collections.ConfigDict,
     settings: Settings,
-    progress: Callable[[str], None] = print,
+    progress: Callable[[str], None] | None = None,
     partial: Callable[[dict], None] | None = None,
 ) -> dict:
     """Compile every program of `settings` for the config's model; the JSON result (module docstring).
-    `partial` receives the programs compiled so far after each one."""
+    `progress` receives a line per compiled unit (None: printed, under a tqdm bar over the programs on a
+    terminal: `glm53.progress`). `partial` receives the programs compiled so far after each one."""
+    bar = Progress(desc="compile_tpu", unit="program", enabled=progress is None, lines=False)
+    try:
+        return _run(config, settings, functools.partial(bar.write, log=progress or print), partial, bar)
+    finally:
+        bar.close()
+
+
+def _run(config, settings: Settings, progress: Callable[[str], None], partial, bar: Progress) -> dict:
     cfg = reduced_model_config(config.model, settings.layers)
     if settings.compose == "kinds":  # one unit per layer kind: composed from unrolled layers
         cfg = cfg.replace(scan_layers=False)
@@ -234,7 +246,9 @@ def run(
     # compiled for TPU devices from any host: the experts run the Pallas TPU kernels whatever this backend is
     kernels = kernels_from_experiment_config(config).replace(moe="pallas_tpu")
     mesh_cfg = mesh_config_from_dict(config.mesh)
-    devices = tpu.topology_devices(settings.topology)
+    logs.libtpu_env_defaults()  # libtpu's own stderr logs only with --verbosity >= 0
+    with logs.native_stderr_quiet():  # libtpu's start-up messages (no TPU metadata on this host): held back
+        devices = tpu.topology_devices(settings.topology)
     mesh = tpu.topology_mesh(settings.topology, mesh_cfg.resolved_shape(len(devices)), mesh_cfg.axes)
     place = get_placement(settings.placement or mesh_cfg.rules)
     rules = place.rules
@@ -248,6 +262,7 @@ def run(
         k: r["bytes_per_device"] for k, r in non_expert_by_class(cfg, len(devices), place).items()
     }
     shapes = [("decode", b, 1) for b in settings.streams] + [("prefill", 1, p) for p in settings.prefill]
+    bar.set_total(len(shapes))
     results, first = [], None
     for phase, batch, tokens in shapes:
         units = programs(model, batch, tokens, settings.context, settings.compose, mesh, rules)
@@ -302,6 +317,7 @@ def run(
                 0, (prog["total"]["hbm"] - fixed) // prog["total"]["cache_per_stream"]
             )
         results.append(prog)
+        bar.update(1, postfix=f"{phase} {batch}x{tokens}")
         if partial is not None:
             partial(dict(settings=dataclasses.asdict(settings), programs=results))
     out = dict(

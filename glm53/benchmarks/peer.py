@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import gc
 import os
 import tempfile
@@ -42,12 +43,14 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from glm53 import logs
 from glm53.benchmarks import harness
 from glm53.benchmarks.model import first_mismatch
 from glm53.benchmarks.peer_engines import Glm53Engine, LlamaCppEngine, TorchEngine, silence_llama_cpp
 from glm53.checkpoint import gguf as gguf_ckpt
 from glm53.checkpoint import gguf_export
 from glm53.config import ModelConfig, QuantConfig
+from glm53.progress import Progress
 from glm53.quant.mixes import LAYOUTS
 from glm53.testing.hf_torch import random_hf_model
 
@@ -267,6 +270,7 @@ def run(
     on_file(partial result): called after each file (e.g. to save what is measured so far)."""
     torch.set_num_threads(s.threads)
     silence_llama_cpp()
+    logs.quiet_llama_cpp()  # llama.cpp's load logs only with --verbosity >= 0
     result = {
         "machine": harness.machine(PACKAGES, torch_threads=torch.get_num_threads(), threads=s.threads,
                                    llama_cpp_threads=s.threads, xla_threads=XLA_THREADS),
@@ -286,16 +290,21 @@ def run(
         hf, files = build_files(cfg, s, folder or tmp, log)
         result["model"]["params"] = sum(p.numel() for p in hf.model.language_model.parameters())
         torch_engine, reference = TorchEngine(hf), None
-        for fmt, info in files.items():
-            rec = bench_file(fmt, info, torch_engine, reference, s, prompts, log)
-            if reference is None:
-                reference = {"format": fmt, **rec["phases"]}
-            if fmt == "F32":
-                _check_f32_agreement(rec, log)
-            result["files"][fmt] = rec
-            result["summary"] = summary(result)
-            if on_file is not None:
-                on_file(result)
+        # a tqdm bar over the files on a terminal, the progress lines printed above it; elsewhere the lines alone
+        with Progress(len(files), desc="bench_peer", unit="file", lines=False) as bar:
+            say = functools.partial(bar.write, log=log)
+            for fmt, info in files.items():
+                bar.set_postfix(fmt)
+                rec = bench_file(fmt, info, torch_engine, reference, s, prompts, say)
+                if reference is None:
+                    reference = {"format": fmt, **rec["phases"]}
+                if fmt == "F32":
+                    _check_f32_agreement(rec, say)
+                result["files"][fmt] = rec
+                result["summary"] = summary(result)
+                if on_file is not None:
+                    on_file(result)
+                bar.update(1)
     return result
 
 

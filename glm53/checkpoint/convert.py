@@ -33,7 +33,6 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
-from tqdm import tqdm
 
 from glm53.checkpoint import gguf as G
 from glm53.checkpoint import gguf_rules, scan
@@ -57,6 +56,7 @@ from glm53.files import write_json
 from glm53.layers.param import Path, path_str
 from glm53.model import Glm53Model
 from glm53.parallel import distributed
+from glm53.progress import Progress
 from glm53.quant.int8 import Int8Weight
 from glm53.quant.mixes import MATRICES
 from glm53.quant.qweight import QuantizedExperts, expert_formats
@@ -130,8 +130,7 @@ class _Writer:
         os.rename(staging, self.unit_dir(unit))
         self.written += 1
         if self.progress is not None:
-            self.progress.update(1)
-            self.progress.set_postfix_str(unit)
+            self.progress.update(1, postfix=unit)
         _log.info("wrote unit %s (%d tensors)", unit, len(entries))
         if self.interrupt_after is not None and self.written >= self.interrupt_after:
             raise ConversionInterrupted(f"conversion interrupted after {self.written} units (test hook)")
@@ -289,11 +288,8 @@ def convert(
             distributed.barrier("glm53 convert: renamed")
             return out
         mine = list(plan) if main else []
-        bar = (
-            tqdm(total=len(mine), desc=f"convert -> {os.path.basename(out)}", unit="unit")
-            if progress and main
-            else None
-        )
+        # a tqdm bar on a terminal, a plain line now and then otherwise (glm53.progress)
+        bar = Progress(len(mine), desc=f"convert -> {os.path.basename(out)}", unit="unit") if progress and main else None
         writer = _Writer(work, plan, chunk_bytes, interrupt_after, bar)
         todo = [u for u in mine if not writer.done(u)]
         if bar is not None:

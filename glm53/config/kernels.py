@@ -40,6 +40,8 @@ AUTO_TABLES: dict[str, dict[str, str]] = {
     "sparse_mla": sparse_mla_api.AUTO_BY_BACKEND,
     "moe": moe_api.AUTO_BY_BACKEND,
 }
+# op -> what "auto" runs where a gradient is taken (`dispatch.differentiable`), for the ops whose choice differs
+AUTO_DIFFERENTIABLE: dict[str, str] = {"moe": moe_api.AUTO_DIFFERENTIABLE}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,15 +77,17 @@ class KernelConfig:
     def to_dict(self) -> dict[str, str]:
         return dataclasses.asdict(self)
 
-    def resolved(self, backend: str | None = None) -> dict[str, str]:
+    def resolved(self, backend: str | None = None, differentiable: bool = False) -> dict[str, str]:
         """op -> what runs on `backend` (default: JAX's): the implementation named, or the one "auto" picks there
-        (`dispatch.resolve`, outside a gradient), marked "(auto)"; a Pallas kernel for another platform is marked
-        "(interpret mode)": it runs in Pallas' interpreter, correct and slow."""
+        (`dispatch.resolve`; `differentiable`: where a gradient is taken, as training's loss), marked "(auto)"; a
+        Pallas kernel for another platform is marked "(interpret mode)": it runs in Pallas' interpreter, correct
+        and slow."""
         backend = backend or jax.default_backend()
         out = {}
         for op in OPS:
             asked = getattr(self, op)
-            name = dispatch.resolve(op, asked, OPS[op], AUTO_TABLES[op], backend)
+            grad = AUTO_DIFFERENTIABLE.get(op) if differentiable else None
+            name = grad if asked == dispatch.AUTO and grad else dispatch.resolve(op, asked, OPS[op], AUTO_TABLES[op], backend)
             note = " (auto)" if asked == dispatch.AUTO else ""
             native = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
             platform = next((p for k, p in native.items() if name.startswith(k)), None)
@@ -92,11 +96,13 @@ class KernelConfig:
             out[op] = name + note
         return out
 
-    def describe(self, backend: str | None = None) -> str:
+    def describe(self, backend: str | None = None, differentiable: bool = False) -> str:
         """One line: `resolved` per op, e.g. "kernels (cpu): mhc=xla_cpu (auto), ... moe=pallas_tpu (interpret
-        mode)"."""
+        mode)"; "kernels (cpu, under grad): ..." where `differentiable`."""
         backend = backend or jax.default_backend()
-        return f"kernels ({backend}): " + ", ".join(f"{op}={v}" for op, v in self.resolved(backend).items())
+        where = f"{backend}, under grad" if differentiable else backend
+        ops = self.resolved(backend, differentiable)
+        return f"kernels ({where}): " + ", ".join(f"{op}={v}" for op, v in ops.items())
 
 
 def kernel_config_from_dict(d: Any) -> KernelConfig:

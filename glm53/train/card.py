@@ -44,8 +44,9 @@ def training_summary(records: list[dict], *, batch_size: int, seq_len: int) -> d
         raise ValueError("metrics: no train records")
     seconds, prev = 0.0, 0
     for r in train:
-        if r.get("tokens_per_s", 0) > 0:
+        if r.get("tokens_per_s", 0) > 0:  # steady steps (compilation excluded since the workbench issue)
             seconds += (r["step"] - prev) * r["tokens"] / r["tokens_per_s"]
+        seconds += r.get("compile_s", 0.0)  # the first step of each train() call: its compilation, kept in
         prev = r["step"]
     last = train[-1]
     out = dict(steps=int(last["step"]), tokens_seen=int(last["step"]) * batch_size * seq_len,

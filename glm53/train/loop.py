@@ -15,6 +15,7 @@ A non-finite loss stops the run with a `TrainingError` naming the step; the last
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -27,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
-from tqdm import tqdm
 
 from glm53 import build, parallel
 from glm53.config import mesh_config_from_dict, model_config_from_dict, model_config_to_dict
@@ -37,9 +37,9 @@ from glm53.data.packing import PackedLoader
 from glm53.data.prepare import data_config_from_dict, prepare_data
 from glm53.errors import ConfigError, TrainingError
 from glm53.files import write_json
-from glm53.layers.stack import describe_groups
 from glm53.model import Glm53Model
 from glm53.parallel import distributed
+from glm53.progress import Progress, is_terminal
 from glm53.train import per_layer, plot, routing
 from glm53.train import step as S
 from glm53.train.loss import LossConfig
@@ -109,15 +109,15 @@ def train_mesh(config, cfg) -> tuple[jax.sharding.Mesh, parallel.Rules]:
 
 def progress_enabled(progress: bool, stream=None) -> bool:
     """Whether the training loop shows its progress bar: asked for and `stream` (default stderr) a terminal."""
-    stream = sys.stderr if stream is None else stream
-    return bool(progress) and hasattr(stream, "isatty") and stream.isatty()
+    return bool(progress) and is_terminal(sys.stderr if stream is None else stream)
 
 
 class Trainer:
     """Everything a run needs, built from the experiment config (see configs/train.py)."""
 
     def __init__(self, config, workdir: str, *, log=print, progress: bool = True):
-        """`progress`: a tqdm progress bar on stderr while training (only when stderr is a terminal)."""
+        """`progress`: a tqdm progress bar on stderr while training (only when stderr is a terminal; the step
+        lines are printed above it). Off a terminal the step lines alone report progress (no carriage returns)."""
         self.workdir, self.log = os.path.abspath(workdir), log
         self.progress = progress
         os.makedirs(self.workdir, exist_ok=True)
@@ -140,11 +140,12 @@ class Trainer:
         model = Glm53Model(self.cfg, rngs=nnx.Rngs(self.rc.seed), kernels=self.kernels)
         self.router_names = routing.instrument_routers(model)  # module paths (a scanned group's router: once)
         self.groups = model.groups  # the trunk's grouping (ModelConfig.scan_layers): per-layer names of stats
-        if distributed.is_main_process():
-            log(describe_groups(self.groups))
+        self.mesh, self.rules = train_mesh(config, self.cfg)
+        if distributed.is_main_process():  # the model part of the start-up block (docs/workbench.md)
+            log(build.describe_model(model, mesh=self.mesh, rules=self.rules, seed=self.rc.seed, training=True,
+                                     label="the model to train"))  # fmt: skip
         self.graphdef, params, biases, self.rest = S.split_model(model)
         self.tx = S.optimizer(self.optim)
-        self.mesh, self.rules = train_mesh(config, self.cfg)
         state = S.init_state(params, biases, self.tx)
         self.state_sh = S.state_shardings(state, self.mesh, self.rules)
         self.batch_sh = S.batch_sharding(self.mesh, self.rules, self.rc.batch_size)
@@ -203,8 +204,8 @@ class Trainer:
         logged, path = [], os.path.join(self.workdir, "metrics.jsonl")
         if distributed.is_main_process():
             _drop_torn_line(path)
-        bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True,
-                   disable=not progress_enabled(self.progress))  # fmt: skip
+        # off a terminal no bar and no extra lines: the step lines are the progress
+        bar = Progress(total, initial=start, unit="step", enabled=progress_enabled(self.progress), lines=False)
         try:
             self._loop(start, total, path, logged, bar)
         finally:
@@ -214,31 +215,46 @@ class Trainer:
             plot.plot_losses(path, os.path.join(self.workdir, "loss.png"), log=self.log)
         return logged
 
-    def _loop(self, start: int, total: int, path: str, logged: list, bar) -> None:
-        t0, tokens = time.perf_counter(), 0.0
+    def _loop(self, start: int, total: int, path: str, logged: list, bar: Progress) -> None:
+        """The steps. Throughput excludes compilation: the first step of this call (which compiles the train step)
+        is timed alone (``compile_s`` in its interval's record, "compiled in X s" in its line) and tokens/s
+        counts the steps after it; an interval of the first step alone has no ``tokens_per_s``."""
+        log = functools.partial(bar.write, log=self.log)  # a line above the progress bar, never through it
+        t0, tokens, compile_s, first = time.perf_counter(), 0.0, 0.0, False
         for step in range(start, total):
             batch = distributed.device_put(self.train_data.batch(step), self.batch_sh)  # each process: its rows
             self.state, m = self.step_fn(self.state, batch)
             self.last_loads = per_layer.expand_names(m.pop("loads"), self.groups)
-            m = {k: float(v) for k, v in m.items()}
+            m = {k: float(v) for k, v in m.items()}  # waits for the step
             if not math.isfinite(m["loss"]):
                 self.manager.wait_until_finished()
                 kept = self.manager.latest_step()
                 raise TrainingError(f"step {step}: loss is {m['loss']}; stopped, the last good checkpoint is "
                                     f"step {kept} in {self.manager.directory}")  # fmt: skip
-            tokens += m["tokens"]
             done = step + 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{m['loss']:.4f}", refresh=False)
+            if step == start:  # compiled the step: timed apart, not in tokens/s
+                compile_s = time.perf_counter() - t0
+                t0, first = time.perf_counter(), True
+            else:
+                tokens += m["tokens"]
+            bar.update(1, postfix=f"loss={m['loss']:.4f}")
             if done % self.rc.log_every == 0 or done == total:
                 dt = time.perf_counter() - t0
                 rec = dict(kind="train", step=done, **m, ppl=math.exp(min(m["lm_loss"], 50.0)),
-                           tokens_per_s=tokens / dt if dt > 0 else 0.0, epoch=self.train_data.epoch_of(done))  # fmt: skip
+                           epoch=self.train_data.epoch_of(done))  # fmt: skip
+                speed = ""
+                if tokens > 0:
+                    rec["tokens_per_s"] = tokens / dt if dt > 0 else 0.0
+                    speed = f" {rec['tokens_per_s']:.0f} tok/s"
+                if first:
+                    rec["compile_s"] = compile_s
+                    speed += f"{';' if tokens > 0 else ''} compiled in {compile_s:.1f} s (the first step, not in tok/s)"
+                    first = False
                 logged.append(rec)
                 _append(path, rec)
-                self.log(f"step {done}/{total} loss {m['loss']:.4f} lm {m['lm_loss']:.4f} mtp {m['mtp_loss']:.4f} "
-                         f"lr {m['lr']:.2e} |g| {m['grad_norm']:.3f} load {m.get('load_min', 0):.2f}-"
-                         f"{m.get('load_max', 0):.2f} {rec['tokens_per_s']:.0f} tok/s")  # fmt: skip
+                log(f"step {done}/{total} loss {m['loss']:.4f} lm {m['lm_loss']:.4f} mtp {m['mtp_loss']:.4f} "
+                    f"lr {m['lr']:.2e} |g| {m['grad_norm']:.3f} load {m.get('load_min', 0):.2f}-"
+                    f"{m.get('load_max', 0):.2f}{speed}")  # fmt: skip
                 t0, tokens = time.perf_counter(), 0.0
             if done % self.rc.eval_every == 0 or done == total:
                 ev = dict(
@@ -248,7 +264,7 @@ class Trainer:
                     **self.evaluate(self.val_data, self.rc.eval_batches),
                 )
                 _append(path, ev)
-                self.log(f"eval step {done}: validation loss {ev['loss']:.4f} ppl {ev['ppl']:.2f}")
+                log(f"eval step {done}: validation loss {ev['loss']:.4f} ppl {ev['ppl']:.2f}")
             if done % self.rc.save_every == 0 or done == total:
                 self.save(done)
             if done % self.rc.eval_every == 0 or done % self.rc.save_every == 0:
