@@ -15,7 +15,7 @@ chunks), report (.md: the table), kld_vs_bpw.png / roles.png / layers.png, base.
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments import cli
+from experiments import cli, startup
 from glm53.ablation import llama, pipeline, report
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/ablate.py", "configs/ablate.py[:SWEEP]")
@@ -28,6 +28,7 @@ def main(argv):
     c = pipeline.ablate_config(_CONFIG.value)
     llama.quiet()
     results = pipeline.run(c, _OUT.value)
+    startup.write_run_record(_OUT.value, _CONFIG.value)  # DIR/glm53_run.json
     print(
         f"{len(results['variants'])} variants in {_OUT.value}/results.json; table in {_OUT.value}/{report.REPORT}"
     )

@@ -15,7 +15,7 @@ from __future__ import annotations
 from absl import app, flags
 
 from configs import tiny
-from experiments import cli
+from experiments import cli, startup
 from glm53.benchmarks import harness
 from glm53.benchmarks import model as bench
 from glm53.config import model_config_from_dict
@@ -52,7 +52,7 @@ def main(argv):
     print(f"{harness.describe(m)}; torch threads {m['torch_threads']}")
     if _OUT.value and distributed.is_main_process():  # several processes: process 0 writes
         harness.write_result(_OUT.value, result)
-        print(f"wrote {_OUT.value}")
+        print(f"wrote {_OUT.value} (the run: {startup.write_run_record(_OUT.value)})")
 
 
 if __name__ == "__main__":

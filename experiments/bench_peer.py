@@ -20,7 +20,7 @@ import os
 from absl import app, flags
 
 from configs import tiny
-from experiments import cli
+from experiments import cli, startup
 from glm53.benchmarks import harness, peer
 from glm53.config import model_config_from_dict
 from glm53.parallel import distributed
@@ -56,8 +56,8 @@ def _ints(flag) -> list[int]:
 
 def main(argv):
     del argv
-    prefix, _, variant = _CONFIG.value.partition(":")
-    if os.path.normpath(prefix) != os.path.join("configs", "tiny.py"):
+    prefix, _, variant = startup.resolve_config_arg(_CONFIG.value).partition(":")
+    if os.path.realpath(prefix) != os.path.realpath(os.path.join(startup.CONFIGS_DIR, "tiny.py")):
         raise app.UsageError(f"--config: expected configs/tiny.py:VARIANT, got {_CONFIG.value!r}")
     variant = variant or "default"
     if variant not in tiny.VARIANTS:
@@ -84,7 +84,7 @@ def main(argv):
     print(f"{harness.describe(result['machine'])}; threads {settings.threads}")
     print(peer.table(result))
     if _OUT.value and distributed.is_main_process():  # several processes: process 0 writes
-        print(f"wrote {_OUT.value}")
+        print(f"wrote {_OUT.value} (the run: {startup.write_run_record(_OUT.value)})")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ no --step_costs, no distinct-experts replay; process 0 alone prints and writes -
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments import cli
+from experiments import cli, startup
 from glm53 import assets, build, files
 from glm53.benchmarks import serve as S
 from glm53.config import model_config_from_dict
@@ -209,6 +209,7 @@ def main(argv):
               f"tokens/s of 1 stream ({S.setting(base[-1])})")  # fmt: skip
     if _OUT.value:
         files.write_json(_OUT.value, {"model": label or weights, "rows": rows})
+        startup.write_run_record(_OUT.value, _CONFIG.value)
     if _PNG.value:
         S.plot(rows, _PNG.value)
 
@@ -223,6 +224,7 @@ def _step_costs(model, streams: list[int]) -> None:
               f"{r['step_p50_ms']:.2f})" + (f", {r['step_p10_ms'] / one:.2f}x 1 slot" if one else ""))  # fmt: skip
     if _OUT.value:
         files.write_json(_OUT.value, {"step_costs": rows})
+        startup.write_run_record(_OUT.value, _CONFIG.value)
 
 
 if __name__ == "__main__":

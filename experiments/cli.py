@@ -147,6 +147,8 @@ def loaded_config():
     if "config" not in flags.FLAGS or not flags.FLAGS["config"].present:
         return None
     holder = flags.FLAGS["config"]
+    if not hasattr(holder, "override_values"):  # a plain string flag of that name (bench_peer's variant)
+        return None
     try:
         config = holder.value
         _ = config is not None and "model" in config  # raises where the load failed

@@ -18,7 +18,7 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments import cli
+from experiments import cli, startup
 from glm53.benchmarks import compile_tpu
 from glm53.benchmarks.harness import write_result
 
@@ -81,7 +81,7 @@ def main(argv):
         write_result(_OUT.value, result)
         if os.path.exists(_OUT.value + ".partial"):
             os.remove(_OUT.value + ".partial")
-        print(f"wrote {os.path.abspath(_OUT.value)}")
+        print(f"wrote {os.path.abspath(_OUT.value)} (the run: {startup.write_run_record(_OUT.value, _CONFIG.value)})")
 
 
 if __name__ == "__main__":

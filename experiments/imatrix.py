@@ -16,7 +16,7 @@ import os
 import jax.numpy as jnp
 from absl import app, flags
 
-from experiments import cli
+from experiments import cli, startup
 from glm53 import build
 from glm53.ablation import imatrix as imx
 from glm53.ablation import pipeline
@@ -53,6 +53,7 @@ def main(argv):
     _, model = build.load_model(weights, dtype=jnp.float32, with_mtp=False)
     im = imx.collect(model, chunks, dataset=_TOKENS.value or f"{_SPLIT.value} split")
     imx.write_imatrix(_OUT.value, im)
+    startup.write_run_record(_OUT.value)
     print(
         f"{label}: {im.chunks} chunks of {im.chunk_size} tokens; {len(im.entries)} matrices -> {_OUT.value}"
     )
