@@ -124,7 +124,7 @@ def test_score_entry_point_two_processes_ep_gguf_quantized_equals_one_process(ep
     # process 0 alone writes and reports; both processes built the model on one 8-device mesh, the routed
     # experts' Q4_K planes read from the GGUF by each process for its own devices' experts
     assert out.stdout.count("wrote ") == 1 and "[0] wrote " in out.stdout
-    assert out.stdout.count("mesh {'data': 1, 'model': 8}, rules ep") == 2
+    assert out.stdout.count("mesh: {'data': 1, 'model': 8} over 8 cpu device(s), rules ep") == 2
     logits, nll = scoring.score(_gguf_q4k(ep_gguf[0]), W.SEQS)
     for i, want in enumerate(logits):
         _close(got[f"logits_{i}"], want, f"sequence {i}")
