@@ -18,7 +18,8 @@ PACKAGES = ("glm53", "kernels")
 
 # Lowest first. A module belongs to the longest prefix that names it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("glm53", "glm53.errors", "glm53.dims", "glm53.files", "glm53.assets"),  # names, errors, files, the shipped model's path
+    ("glm53", "glm53.errors", "glm53.dims", "glm53.files", "glm53.assets", "glm53.logs",
+     "glm53.progress"),  # names, errors, files, the shipped model's path, quiet third-party logs, progress
     ("glm53.quant.registry", "glm53.quant.formats", "glm53.quant.tables", "glm53.quant.mixes"),  # format tables, mixes
     ("glm53.config",),  # frozen config dataclasses
     ("glm53.quant",),  # dequantizers, planes, re-encoding, byte counts, the quantized-experts leaf

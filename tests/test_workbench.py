@@ -32,8 +32,11 @@ ENTRY_POINTS = sorted(
     for p in glob.glob(os.path.join(ROOT, "experiments", "*.py"))
     if "cli.run(main)" in open(p).read() or p.endswith("launch.py")
 )
-WITH_CONFIG = [e for e in ENTRY_POINTS if "DEFINE_config_file" in open(os.path.join(ROOT, *e.split("."))
-                                                                          .__add__(".py")).read()]  # fmt: skip
+def _source(module: str) -> str:
+    return open(os.path.join(ROOT, *module.split(".")) + ".py").read()
+
+
+WITH_CONFIG = [e for e in ENTRY_POINTS if "DEFINE_config_file" in _source(e)]
 
 
 def run_forked(module: str, *args: str) -> tuple[int, str, str]:
@@ -94,7 +97,7 @@ def _one_usage_line(code, out, err, needle):
 def test_help_exits_zero_with_the_usage(module):
     code, out, err = run_forked(module, "--help")
     assert code == 0 and "Traceback" not in err, err[-2000:]
-    mod_doc = open(os.path.join(ROOT, *module.split(".")) + ".py").read().split('"""')[1].strip()
+    mod_doc = _source(module).split('"""')[1].strip()
     assert out.startswith(mod_doc.splitlines()[0]), out[:300]
     assert "--" in out  # the flags
 

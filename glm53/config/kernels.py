@@ -40,6 +40,8 @@ AUTO_TABLES: dict[str, dict[str, str]] = {
     "sparse_mla": sparse_mla_api.AUTO_BY_BACKEND,
     "moe": moe_api.AUTO_BY_BACKEND,
 }
+# implementation-name prefix -> the platform its Pallas kernels compile for (interpreted anywhere else)
+PALLAS_PLATFORMS = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
 # op -> what "auto" runs where a gradient is taken (`dispatch.differentiable`), for the ops whose choice differs
 AUTO_DIFFERENTIABLE: dict[str, str] = {"moe": moe_api.AUTO_DIFFERENTIABLE}
 
@@ -89,8 +91,7 @@ class KernelConfig:
             grad = AUTO_DIFFERENTIABLE.get(op) if differentiable else None
             name = grad if asked == dispatch.AUTO and grad else dispatch.resolve(op, asked, OPS[op], AUTO_TABLES[op], backend)
             note = " (auto)" if asked == dispatch.AUTO else ""
-            native = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
-            platform = next((p for k, p in native.items() if name.startswith(k)), None)
+            platform = next((p for k, p in PALLAS_PLATFORMS.items() if name.startswith(k)), None)
             if platform is not None and platform != backend:
                 note += " (interpret mode)"
             out[op] = name + note
