@@ -8,6 +8,7 @@ and off; the decode step's cost against the distinct experts it touched (glm53.b
       --shared_prefix=0 --max_new=64               # random weights, a weight-bandwidth-bound decode step
   python -m experiments.bench_serve --slots=16 --narrow=both  # 16 slots whatever N: narrow steps on and off
   python -m experiments.bench_serve --step_costs --streams=1,2,4,8,16   # the decode step alone, per compile option
+  python -m experiments.bench_serve --mixed=32 --out=mixed.json   # 32 mixed-length streams: paged vs contiguous
 
 For each stream count N and each setting: an engine of --slots slots (default: N, the smallest batch that holds
 them; waiting requests prefilled together, up to --prefill_batch, default the engine's min(slots, 8)) is compiled
@@ -23,6 +24,12 @@ engine's default runs the smallest width 1, 2, 4, ... covering the busy slots: g
 --step_costs times the decode step alone instead (no requests): at each --streams count as slots, under each
 set of compile options in STEP_OPTIONS, and the narrow widths of one engine of the largest count, all
 interleaved in this process (p10 and median per program: ratios hold on a loaded machine).
+--mixed=N serves at a token budget instead (`S.run_mixed`): N greedy streams whose prompt + max_new totals are
+log-uniform over --mixed_lengths (default 16..4096 tokens; --mixed_prompt_share of each is prompt; seed
+--mixed_seed) submitted at once, twice: on paged caches (N slots sharing --mixed_cache_tokens tokens in pages of
+--mixed_page_tokens, max_len = the lengths' hi) and on contiguous caches of the same DSA cache bytes
+(--mixed_cache_tokens // hi slots of hi positions: the streams queue). Per mode: the most streams in slots at once, total
+tokens/s, TTFT p50 / p99, wall time, peak RSS, finish reasons (streams the pool ended: out of pages), page waits.
 
 Several processes (``--coordinator ...``, e.g. ``python -m experiments.launch --processes=2 --devices_per_process=4
 -- python -m experiments.bench_serve --config=configs/tiny.py:sharded ...``): the model on the config's mesh over
@@ -69,6 +76,12 @@ _REPEATS = flags.DEFINE_integer(
 )
 _STEP_COSTS = flags.DEFINE_bool("step_costs", False, "time the decode step alone per slots / compile options")
 _ROUNDS = flags.DEFINE_integer("rounds", 200, "--step_costs: calls of each program (interleaved)")
+_MIXED = flags.DEFINE_integer("mixed", 0, "serve N mixed-length streams, paged vs contiguous caches (0: off)")
+_MIXED_TOKENS = flags.DEFINE_integer("mixed_cache_tokens", 16384, "--mixed: DSA cache tokens of both modes")
+_MIXED_LENGTHS = flags.DEFINE_list("mixed_lengths", ["16", "4096"], "--mixed: lo,hi of prompt + max_new")
+_MIXED_SHARE = flags.DEFINE_float("mixed_prompt_share", 0.75, "--mixed: the prompt's share of each total")
+_MIXED_PAGE = flags.DEFINE_integer("mixed_page_tokens", 16, "--mixed: tokens per page (paged mode)")
+_MIXED_SEED = flags.DEFINE_integer("mixed_seed", 0, "--mixed: the lengths' seed")
 _MOE_IMPL = cli.define_moe_impl_flag()
 
 # --step_costs: name -> compile options on top of the engine's CPU defaults (None: drop that default)
@@ -106,6 +119,10 @@ def main(argv):
         raise app.UsageError(f"--prefill_batch={_PREFILL_BATCH.value}: must be >= 0")
     if _SLOTS.value and _SLOTS.value < max(streams):
         raise app.UsageError(f"--slots={_SLOTS.value}: fewer than the {max(streams)} streams")
+    if _MIXED.value < 0:
+        raise app.UsageError(f"--mixed={_MIXED.value}: must be >= 0")
+    if _MIXED.value and (_STEP_COSTS.value or distributed.process_count() > 1):
+        raise app.UsageError("--mixed: one process, without --step_costs")
     mtp_settings = _settings(_MTP.value)
     with_mtp = True in mtp_settings
     weights, label = assets.resolve(_WEIGHTS.value, _CONFIG.value)
@@ -142,6 +159,8 @@ def main(argv):
                              seed=_CONFIG.value and _CONFIG.value.seed, label=label), flush=True)  # fmt: skip
     if _STEP_COSTS.value:
         return _step_costs(model, streams)
+    if _MIXED.value:
+        return _mixed(model, cfg.vocab_size, label or weights)
     rows, traces, setups = [], [], []
     for n in streams:
         for mtp in mtp_settings:
@@ -224,6 +243,38 @@ def _step_costs(model, streams: list[int]) -> None:
               f"{r['step_p50_ms']:.2f})" + (f", {r['step_p10_ms'] / one:.2f}x 1 slot" if one else ""))  # fmt: skip
     if _OUT.value:
         files.write_json(_OUT.value, {"step_costs": rows})
+        startup.write_run_record(_OUT.value, _CONFIG.value)
+
+
+def _mixed(model, vocab: int, name) -> None:
+    try:
+        lo, hi = (int(v) for v in _MIXED_LENGTHS.value)
+        lengths = S.mixed_lengths(_MIXED.value, lo, hi, _MIXED_SEED.value, _MIXED_SHARE.value)
+    except ValueError as e:
+        raise app.UsageError(f"--mixed_lengths={','.join(_MIXED_LENGTHS.value)}: two integers lo,hi ({e})") from None
+    tokens, page = _MIXED_TOKENS.value, _MIXED_PAGE.value
+    if tokens < hi or page < 1:
+        raise app.UsageError(f"--mixed_cache_tokens={tokens} must hold one stream of {hi} tokens; "
+                             f"--mixed_page_tokens={page} >= 1")  # fmt: skip
+    print(f"{len(lengths)} streams of {sum(p + m for p, m in lengths)} tokens ({lo}..{hi} each: "
+          f"{sum(p for p, _ in lengths)} prompt, {sum(m for _, m in lengths)} new)", flush=True)  # fmt: skip
+    rows = []
+    for label, kw in (("paged", dict(slots=len(lengths), cache_tokens=tokens, page_tokens=page)),
+                      ("contiguous", dict(slots=tokens // hi))):  # fmt: skip
+        row = S.run_mixed(model, vocab, lengths, max_len=hi, **kw)
+        reasons = ", ".join(f"{k} {v}" for k, v in row["finish_reasons"].items())
+        print(f"{label}: {row['slots']} slots, {row['cache_tokens']} cache tokens ({row['cache_bytes'] / 2**20:.1f} "
+              f"MiB): {row['max_busy_slots']} streams at once; {row['tokens']} tokens in {row['seconds']:.1f} s = "
+              f"{row['total_tok_s']:.1f} tok/s; TTFT p50 {row['ttft_p50_ms']:.0f} / p99 {row['ttft_p99_ms']:.0f} ms; "
+              f"finished {row['finished']} ({reasons}; out of pages {row['finish_out_of_pages']}), page waits "
+              f"{row['page_waits']}; peak RSS {row['peak_rss_mb']:.0f} MiB; compile {row['compile_s']:.1f} s",
+              flush=True)  # fmt: skip
+        rows.append(row)
+    p, c = rows
+    print(f"paged / contiguous: {p['total_tok_s'] / c['total_tok_s']:.2f}x the tokens/s, TTFT p50 "
+          f"{p['ttft_p50_ms'] / c['ttft_p50_ms']:.2f}x, wall time {p['seconds'] / c['seconds']:.2f}x")  # fmt: skip
+    if _OUT.value:
+        files.write_json(_OUT.value, {"model": name, "mixed": rows})
         startup.write_run_record(_OUT.value, _CONFIG.value)
 
 

@@ -48,6 +48,10 @@ _CACHE_DIR = flags.DEFINE_string(
     "cache_dir", None, "persistent compilation cache (default: a fresh temp dir)"
 )
 _OUT = flags.DEFINE_string("out", None, "write the result as JSON here")
+_CACHE_TOKENS = flags.DEFINE_integer(
+    "cache_tokens", 0, "paged DSA caches: a page pool of this many tokens shared by the streams (0: contiguous "
+    "caches of --context per stream); --context is then each stream's table length")
+_PAGE_TOKENS = flags.DEFINE_integer("page_tokens", 256, "paged caches: tokens per page")
 
 
 def main(argv):
@@ -65,6 +69,8 @@ def main(argv):
             compose=_COMPOSE.value,
             census=_CENSUS.value,
             placement=_PLACEMENT.value,
+            cache_tokens=_CACHE_TOKENS.value,
+            page_tokens=_PAGE_TOKENS.value,
         )
     except ValueError as e:
         raise app.UsageError(str(e)) from None

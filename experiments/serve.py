@@ -7,7 +7,12 @@
 Endpoints: POST /v1/chat/completions, /v1/completions, /v1/messages, /v1/messages/count_tokens; GET /v1/models,
 /health (503 until every program is compiled), /metrics (Prometheus). Prints ``listening on http://HOST:PORT``
 once the socket is bound. Compiled programs persist in JAX's compilation cache (--compilation_cache, "off" = none; on by default, see docs/workbench.md),
-so a second start compiles nothing. The engine's prefill chunk sizes are --buckets (must include 1).
+so a second start reads every XLA executable from it (tracing and lowering remain). Once every program is compiled one line gives the start-up split:
+``start-up: load L s, compile C s (N programs; tracing and lowering T s, XLA or the cache X s, H executables from
+the compilation cache), warm-up W s; compilation cache: DIR`` (load: from main's start to the model, tokenizer and engine built;
+compile: JAX's tracing, lowering and XLA compiling, or reading the persistent cache instead of XLA, during the
+engine's warm-up; warm-up: the rest of it, each program's first run). The engine's prefill chunk sizes are
+--buckets (must include 1).
 SIGINT / SIGTERM drain the server (glm53.serving.http.Shutdown): new requests get 503 + Retry-After, running
 ones may finish within --shutdown_grace_s, then end with the API's error event; exit status 0 (a second signal
 skips the rest of the grace). What the server reads and how long it waits: one flag per field of
@@ -26,12 +31,14 @@ import os
 import signal
 import socket
 import threading
+import time
 
 import uvicorn
 from absl import app, flags
+from jax import monitoring
 from ml_collections import config_flags
 
-from experiments import cli
+from experiments import cli, startup
 from glm53 import assets, build, tokenizer
 from glm53.config import model_config_from_dict
 from glm53.parallel import distributed
@@ -50,7 +57,13 @@ _WEIGHTS = flags.DEFINE_string("weights", None, "HF / Orbax / GGUF weights (defa
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "interface to bind")
 _PORT = flags.DEFINE_integer("port", 8000, "TCP port (0: a free one)")
 _SLOTS = flags.DEFINE_integer("slots", 4, "streams decoded together (slots of the batched step)")
-_MAX_LEN = flags.DEFINE_integer("max_len", 2048, "context per slot: prompt + max_tokens")
+_MAX_LEN = flags.DEFINE_integer(
+    "max_len", 0, "most tokens (prompt + max_tokens) of one request; 0: on pages the model's context "
+    "(max_position_embeddings), contiguous 2048 per slot")
+_CACHE_TOKENS = flags.DEFINE_integer(
+    "cache_tokens", 65536, "paged DSA caches: tokens of cache shared by every stream (a request grows while pages "
+    "last, waits when none are free); 0: contiguous caches, every slot owns --max_len positions")
+_PAGE_TOKENS = flags.DEFINE_integer("page_tokens", 0, "paged caches: tokens per page (0: --prefix_block)")
 _QUEUE = flags.DEFINE_integer("max_queue", 64, "requests waiting for a slot before new ones get 429")
 _BUCKETS = flags.DEFINE_list(
     "buckets", ["1", "4", "16", "64", "256"], "prefill chunk sizes (compiled shapes)"
@@ -142,6 +155,52 @@ class _Server(uvicorn.Server):
                 signal.signal(s, h)
 
 
+class _StartUp:
+    """The start-up split (module docstring): `loaded()` once the engine is built; `timed(engine)` makes its
+    warm-up measure what JAX spends compiling (its duration events) and print the line when it is done."""
+
+    COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                      "/jax/core/compile/backend_compile_duration")  # the last includes reading the cache  # fmt: skip
+
+    def __init__(self):
+        self.t0, self.load_s, self.compile_s, self.xla_s, self.hits = time.perf_counter(), 0.0, 0.0, 0.0, 0
+
+    def loaded(self) -> None:
+        self.load_s = time.perf_counter() - self.t0
+
+    def _duration(self, event: str, secs: float, **_) -> None:
+        if event in self.COMPILE_EVENTS:
+            self.compile_s += secs
+            self.xla_s += secs if event == self.COMPILE_EVENTS[-1] else 0.0
+
+    def _event(self, event: str, **_) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            self.hits += 1
+
+    def line(self, warm_s: float, programs: int) -> str:
+        cache = startup.run_record().get("compilation_cache") or "off"
+        return (f"start-up: load {self.load_s:.1f} s, compile {self.compile_s:.1f} s ({programs} programs; tracing "
+                f"and lowering {self.compile_s - self.xla_s:.1f} s, XLA or the cache {self.xla_s:.1f} s, {self.hits} "
+                f"executables from the compilation cache), warm-up {max(warm_s - self.compile_s, 0.0):.1f} s; "
+                f"compilation cache: {cache}")  # fmt: skip
+
+    def timed(self, engine: Engine) -> None:
+        warmup = engine.warmup
+
+        def timed_warmup(log=None) -> float:
+            monitoring.register_event_duration_secs_listener(self._duration)
+            monitoring.register_event_listener(self._event)
+            try:
+                dt = warmup(log)
+            finally:
+                monitoring.unregister_event_duration_listener(self._duration)
+                monitoring.unregister_event_listener(self._event)
+            print(self.line(dt, engine.compiled_programs()), flush=True)
+            return dt
+
+        engine.warmup = timed_warmup  # the app's engine thread calls it (glm53.serving.app.make_app)
+
+
 def _join_engine_thread() -> None:
     """Waits for the engine thread, stopped by the app's shutdown (it may be compiling: it stops after that)."""
     for t in threading.enumerate():
@@ -149,12 +208,31 @@ def _join_engine_thread() -> None:
             t.join()
 
 
+def _paging(several: bool, cfg) -> bool:
+    """Whether the engine runs on paged caches (--cache_tokens > 0): not yet with --speculative and the prefix
+    cache together, nor several processes, which then run contiguous caches (a usage error when --cache_tokens was
+    given explicitly)."""
+    if not _CACHE_TOKENS.value:
+        return False
+    why = ("--speculative with the prefix cache" if _SPEC.value and _PREFIX_MB.value else
+           "several processes" if several else None)  # fmt: skip
+    if why is None:
+        return True
+    if flags.FLAGS["cache_tokens"].present:
+        raise app.UsageError(f"--cache_tokens: paged caches do not run with {why} yet; pass --cache_tokens=0")
+    print(f"caches: contiguous ({why} runs without pages for now)", flush=True)
+    return False
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    started = _StartUp()
     for name, v, lo in (
         ("slots", _SLOTS.value, 1),
-        ("max_len", _MAX_LEN.value, 2),
+        ("max_len", _MAX_LEN.value, 0),
+        ("cache_tokens", _CACHE_TOKENS.value, 0),
+        ("page_tokens", _PAGE_TOKENS.value, 0),
         ("max_queue", _QUEUE.value, 1),
         ("prefill_batch_chunk", _PREFILL_BATCH_CHUNK.value, 1),
     ):
@@ -210,22 +288,31 @@ def main(argv):
                            else "glm53-random")  # fmt: skip
     print(build.describe_model(model, **engine_kw, config_name=cli.config_name("config"), weights=weights,
                                seed=_CONFIG.value and _CONFIG.value.seed, label=label), flush=True)  # fmt: skip
-    engine = Engine(model, slots=_SLOTS.value, max_len=_MAX_LEN.value, buckets=buckets,
+    paged = _paging(several, cfg)
+    max_len = _MAX_LEN.value or (cfg.max_position_embeddings if paged else 2048)
+    if paged:
+        engine_kw.update(cache_tokens=_CACHE_TOKENS.value, page_tokens=_PAGE_TOKENS.value or _PREFIX_BLOCK.value)
+    engine = Engine(model, slots=_SLOTS.value, max_len=max_len, buckets=buckets,
                     eos_ids=cfg.eos_token_ids, max_queue=_QUEUE.value, prefix_cache_bytes=_PREFIX_MB.value << 20,
                     prefix_block=_PREFIX_BLOCK.value, speculative=_SPEC.value,
                     decode_widths=None if _NARROW.value and not several else (_SLOTS.value,),
                     prefill_batch=_PREFILL_BATCH.value or None, prefill_batch_chunk=_PREFILL_BATCH_CHUNK.value,
                     detokenize=detokenizer(tok, keep=(THINK_OPEN, THINK_CLOSE)), limits=limits,
                     **engine_kw)  # fmt: skip
+    started.loaded()
     if several and not distributed.is_main_process():
         n = multihost.follow(engine)  # until process 0 stops serving
         print(f"replayed {n.calls} program calls of process 0 ({n.beats} idle heartbeats)", flush=True)
         return
     if several:
         multihost.lead(engine, heartbeat=_HEARTBEAT.value)
-    print(f"model {name!r}: {_SLOTS.value} slots x {_MAX_LEN.value} positions, prefill buckets {buckets}, prefix "
+    cache = (f"{_SLOTS.value} slots sharing a paged cache of {engine.pool.capacity} pages x {engine.pool.page_tokens} "
+             f"tokens, up to {engine.context_limit} tokens per request" if paged
+             else f"{_SLOTS.value} slots x {max_len} positions")  # fmt: skip
+    print(f"model {name!r}: {cache}, prefill buckets {buckets}, prefix "
           f"cache {_PREFIX_MB.value} MiB (blocks of {_PREFIX_BLOCK.value}), MTP speculative "
           f"{'on' if _SPEC.value else 'off'}", flush=True)  # fmt: skip
+    started.timed(engine)
     application = make_app(engine, tok, name, api_key=_API_KEY.value, limits=limits,
                            log=lambda s: print(s, flush=True))  # fmt: skip
     sock = socket.socket(socket.AF_INET6 if ":" in _HOST.value else socket.AF_INET)

@@ -143,12 +143,15 @@ class Glm53Model(nnx.Module):
                 return u, g
         raise IndexError(f"layer {i}: the model has {self.cfg.num_hidden_layers} trunk layers")
 
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
+    def init_cache(self, batch: int, max_len: int, dtype=None, *, pages: tuple[int, int] | None = None) -> Cache:
         """An empty cache for `batch` streams of up to `max_len` tokens each (one entry of `layers` per unit of
-        self.layers: a layer's cache, or a LayerStack's per-position caches stacked over its repeats)."""
+        self.layers: a layer's cache, or a LayerStack's per-position caches stacked over its repeats).
+        pages=(num_pages, page_tokens): the DSA caches are paged (glm53.layers.dsa.DSACache: every DSA layer a
+        pool of num_pages pages, each stream's table of ceil(max_len / page_tokens) entries all page 0, the
+        scratch page; glm53.runtime.cache.set_pages fills them); KDA states stay per stream."""
         dtype = dtype or self.dtype
-        layers = tuple(layer.init_cache(self.cfg, batch, max_len, dtype) for layer in self.layers)
-        mtp = None if self.mtp is None else self.mtp.init_cache(batch, max_len, dtype)
+        layers = tuple(layer.init_cache(self.cfg, batch, max_len, dtype, pages=pages) for layer in self.layers)
+        mtp = None if self.mtp is None else self.mtp.init_cache(batch, max_len, dtype, pages=pages)
         return Cache(length=jnp.zeros((batch,), jnp.int32), layers=layers, mtp=mtp)
 
     # ------------------------------------------------------------------------------------------------ forward

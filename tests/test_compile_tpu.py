@@ -223,3 +223,23 @@ def test_whole_scanned_program_counts_every_loop_iteration():
     assert s["cost"]["flops"] == pytest.approx(u["cost"]["flops"], rel=0.02)
     assert s["cost"]["bytes_accessed_lower"] < u["cost"]["bytes_accessed"] < s["cost"]["bytes_accessed"]
     assert u["cost"]["bytes_accessed_lower"] == u["cost"]["bytes_accessed"]  # no loops: one count
+
+
+def test_paged_caches_pool_bytes_and_tokens_fit():
+    """--cache_tokens (paged DSA caches): the decode step compiles for TPU with one page pool for both streams;
+    the pool's bytes per chip are exact (pages split over the 8 chips + a scratch page each; the narrow config's
+    latent is float here: kv_lora bf16 per token, pooled keys index_head_dim bf16 per 4 tokens), the per-stream
+    cache is the rest, and the tokens that fit follow from the compiled program's free memory."""
+    config = _narrow_config()
+    settings = Settings(experts="iq4_xs", streams=(2,), prefill=(), context=4096, census=False, compose="full",
+                        cache_tokens=8192, page_tokens=64)  # fmt: skip
+    r = compile_tpu.run(config, settings, progress=lambda _: None)
+    (p,) = r["programs"]
+    t = p["total"]
+    cfg = model_config_from_dict(config.model)
+    pages_per_chip = 8192 // 64 // 8 + 1
+    per_token = cfg.kv_lora_rank * 2 + cfg.index_head_dim * 2 // cfg.index_kpool  # one DSA layer, bf16
+    assert t["pool"] == pages_per_chip * 64 * per_token
+    assert t["pool_tokens"] == 8192 and t["pool_bytes_per_token"] == per_token / 8
+    assert t["cache"] - t["pool"] == 2 * t["cache_per_stream"] > 0
+    assert t["cache_tokens_fit"] == int((t["hbm"] - (t["total"] - t["pool"])) / (per_token / 8))

@@ -19,6 +19,7 @@ from glm53.errors import ShardingError
 from glm53.layers.dsa import DSA
 from glm53.model import Cache
 from glm53.parallel.dsa import seq_sharded
+from glm53.serving.pages import PagePool, PageTable
 from tests.test_dsa import CFG, rel
 
 B, T, MAX = 2, 80, 96  # 96 positions = 24 pools: 3 per device on 8 devices; 4 pools selected per query
@@ -101,3 +102,44 @@ def test_lengths_round_to_whole_pools_per_device_and_bad_meshes_are_named():
     with pytest.raises(ShardingError, match="cache_pools"):
         seq_sharded(mesh, S.TP_RULES.replace(cache_pools=None))
     assert seq_sharded(mesh, S.TP_RULES.replace(cache_seq=None, cache_pools=None)) is None
+
+
+def _spread_tables(n: int, num_pages: int, pt: int) -> np.ndarray:
+    """Both streams' tables from a pool of n devices (page i of a stream on device i % n), with pages taken and
+    given back first so that the streams' pages interleave and are not in id order."""
+    pool = PagePool(num_pages, pt, devices=n)
+    junk = PageTable(pool)
+    junk.ensure(3 * pt)
+    tables = [PageTable(pool) for _ in range(B)]
+    for length in range(pt, MAX + 1, pt):
+        for tb in tables[:: 1 if length % (2 * pt) else -1]:
+            tb.ensure(length)
+        if length == 2 * pt:
+            junk.release()
+    return np.stack([tb.as_array(MAX // pt) for tb in tables])
+
+
+@pytest.mark.parametrize("latent", ["auto", "int8"])
+@pytest.mark.parametrize("shape,rules", [((1, 8), "tp"), ((2, 4), "ep")])
+def test_paged_sharded_equals_one_device(latent, shape, rules):
+    """Paged caches split by pages over the devices (glm53/parallel/dsa.py, "Paged caches"), every stream's pages
+    spread round-robin by the host pool, == the contiguous cache on one device: outputs and selections (the merge
+    orders candidates by (score desc, pool id asc) itself, device order not being pool order)."""
+    cfg = CFG.replace(latent_cache_dtype=latent)
+    full, shared = _layers(cfg)
+    x = jnp.asarray(np.random.RandomState(3).randn(B, T, CFG.hidden_size).astype(np.float32))
+    want = _run(full, shared, x, full.init_cache(B, MAX), shared.init_cache(B, MAX))
+
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(shape), ("data", "model"))
+    n, pt = shape[1], 8
+    num_pages = n * (-(-2 * MAX // pt // n) + 2)
+    tables = jnp.asarray(_spread_tables(n, num_pages, pt))
+    full.seq_shard = shared.seq_shard = seq_sharded(mesh, rules)
+    c0, c1 = (_place(m.init_cache(B, MAX, pages=(num_pages, pt)).replace(pages=tables), mesh, rules)
+              for m in (full, shared))  # fmt: skip
+    assert c0.latent.addressable_shards[0].data.shape[0] == num_pages // n  # each device: a block of pages
+    got = _run(full, shared, x, c0, c1)
+    r = max(rel(got[0], want[0]), rel(got[1], want[1]))
+    assert r <= 1e-5, r
+    np.testing.assert_array_equal(got[2], want[2])
+    assert got[3].latent.sharding.spec[0] == "model"

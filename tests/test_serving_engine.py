@@ -15,6 +15,7 @@ from glm53 import build
 from glm53.config import model_config_from_dict
 from glm53.runtime import programs as P
 from glm53.serving import engine as E
+from glm53.serving.prefix import chunk_plan
 from glm53.serving.text import StopText
 from glm53.testing.params import randomize_params
 
@@ -170,8 +171,8 @@ def test_narrow_decode_steps_give_the_full_width_tokens(setup, full):
 
 
 def test_chunk_plan_and_stop_text():
-    assert E.chunk_plan(27, (1, 8)) == [8, 8, 8, 1, 1, 1]
-    assert sum(E.chunk_plan(300, (1, 4, 16, 64, 256))) == 300
+    assert chunk_plan(27, (1, 8)) == [8, 8, 8, 1, 1, 1]
+    assert sum(chunk_plan(300, (1, 4, 16, 64, 256))) == 300
     text = "Hello, world! END here"
     detok = lambda ids: text[: len(ids)]  # one character per token
     st = StopText(("END", "!!"), detok)
@@ -189,7 +190,7 @@ def test_chunk_plan_and_stop_text():
     st = StopText((), lambda ids: "ab\ufffd" if len(ids) == 1 else "ab\u00e9")
     assert st.push(0) == ("ab", None) and st.push(1) == ("\u00e9", None) and st.flush() == ""
     assert StopText(("x",), None).push(3) == ("", None)
-    np.testing.assert_equal(E.chunk_plan(0, (1,)), [])
+    np.testing.assert_equal(chunk_plan(0, (1,)), [])
 
 
 def test_until_ends_a_request_early(setup):

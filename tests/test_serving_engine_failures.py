@@ -172,10 +172,10 @@ def test_a_failed_prefill_ends_only_its_group(setup, caplog):
     eng, ref, *_ = setup
     n0, ev, real = eng.compiled_programs(), Events(), eng.programs.fns["prefill",]
 
-    def prefill(state, staging, tokens, h):
+    def prefill(state, staging, pool, tokens, h):
         if np.any(np.asarray(tokens) == MARK):
             raise RuntimeError(f"{SECRET}: {np.asarray(tokens).tolist()}")
-        return real(state, staging, tokens, h)
+        return real(state, staging, pool, tokens, h)
 
     eng.programs.fns["prefill",] = prefill
     try:
@@ -197,7 +197,7 @@ def test_a_failed_prefill_ends_only_its_group(setup, caplog):
     _healthy(eng, ref, n0)
 
 
-@pytest.mark.parametrize("program,seed_arg,step", [("decode", 8, "decode step"), ("insert", 7, "insert step")])
+@pytest.mark.parametrize("program,seed_arg,step", [("decode", 9, "decode step"), ("insert", 8, "insert step")])
 def test_a_failed_shared_step_ends_every_running_request_and_the_engine_recovers(setup, caplog, program,
                                                                                   seed_arg, step):  # fmt: skip
     """The decode (every slot's step) or insert (writes the shared cache) program raising for an attacker's seed

@@ -8,10 +8,10 @@ Requests come from three sources:
     blocks of every kind, tools with odd JSON schemas, extreme sampling parameters, lone surrogates, long stop
     lists, NaN / huge numbers);
   * raw HTTP: unknown routes, wrong methods, random bytes, invalid UTF-8, deeply nested JSON, wrong content types.
-Every answer must be < 500, in the calling API's shape (OpenAI `{"error": {...}}`, Anthropic
+The engine runs on paged caches with fewer pages than its slots could hold. Every answer must be < 500, in the calling API's shape (OpenAI `{"error": {...}}`, Anthropic
 `{"type": "error", "error": {...}}`) with an `x-request-id`, an error text of bounded size, and a stream must end
-with its terminal event. At the end, at least `MIN_REQUESTS` were sent and a fixed greedy request still returns
-the text it returned before the fuzzing.
+with its terminal event. At the end, at least `MIN_REQUESTS` were sent, a fixed greedy request still returns
+the text it returned before the fuzzing, and every page is back in the pool.
 """
 
 import collections
@@ -48,8 +48,9 @@ class _Server(AppServer):
         weights = assets.require_default_model()
         cfg, model = build.load_model(weights)
         tok = tokenizer.load_tokenizer(weights, vocab_size=cfg.vocab_size)
+        # paged caches (the server's default) with fewer pages than 2 slots x 192 tokens: streams run out of pages
         self.engine = Engine(model, slots=2, max_len=192, buckets=(1, 16), eos_ids=cfg.eos_token_ids, max_queue=8,
-                             compiler_options={"xla_backend_optimization_level": 0},
+                             compiler_options={"xla_backend_optimization_level": 0}, cache_tokens=256, page_tokens=16,
                              detokenize=detokenizer(tok, keep=(THINK_OPEN, THINK_CLOSE)))  # fmt: skip
         self.app = make_app(self.engine, tok, MODEL, log=lambda s: None)
         super().__init__(self.app, Limits())
@@ -367,3 +368,5 @@ def test_the_server_still_answers_as_before(server):
         time.sleep(0.1)
     status, _, body = server.request("POST", "/v1/chat/completions", json.dumps(GREEDY).encode())
     assert status == 200 and json.loads(body)["choices"][0]["message"]["content"] == server.greedy_text
+    pool = server.engine.pool  # every request's pages came back (finished, cancelled by a dropped stream, failed)
+    assert pool.free_count() == pool.capacity and not pool.refs.any()

@@ -13,6 +13,7 @@ from configs import tiny
 from glm53 import build
 from glm53.config import model_config_from_dict
 from glm53.serving import engine as E
+from glm53.serving.prefix import chunk_plan
 
 FAST = {"xla_backend_optimization_level": 0}
 K = 8  # the block
@@ -128,10 +129,10 @@ def test_eviction_under_a_tiny_budget_keeps_the_tokens(setup):
 
 def test_chunk_plan_ends_on_block_boundaries_and_bad_options(setup):
     eng, _, _, model = setup
-    assert E.chunk_plan(40, (1, 8, 16), 8) == [16, 16, 8]
-    assert E.chunk_plan(45, (1, 4, 16), 8) == [16, 16, 4, 4, 4, 1]  # the last block in 4s, then the tail
-    assert E.chunk_plan(7, (1, 8), 8) == [1] * 7
-    ends = np.cumsum(E.chunk_plan(300, (1, 4, 16, 64, 256), 16))
+    assert chunk_plan(40, (1, 8, 16), 8) == [16, 16, 8]
+    assert chunk_plan(45, (1, 4, 16), 8) == [16, 16, 4, 4, 4, 1]  # the last block in 4s, then the tail
+    assert chunk_plan(7, (1, 8), 8) == [1] * 7
+    ends = np.cumsum(chunk_plan(300, (1, 4, 16, 64, 256), 16))
     assert all(e % 16 == 0 for e in ends if e <= 288) and ends[-1] == 300
     with pytest.raises(ValueError, match="prefix_block"):
         E.Engine(model, prefix_cache_bytes=1, prefix_block=6)

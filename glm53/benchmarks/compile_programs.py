@@ -16,6 +16,7 @@ from flax import nnx
 from glm53 import parallel as S
 from glm53.model import Glm53Model
 from glm53.quant.qweight import QuantizedExperts
+from glm53.runtime.cache import split_pool
 
 
 def _expert_reads(state, slots: int) -> int:
@@ -70,6 +71,7 @@ class Unit:
     expert_reads: int = 0  # bytes its expert kernels read per call (`_expert_reads`)
 
     calls: int | None = None  # times per step when not one per layer (a loop body: its repeats beyond the first)
+    pool: int = 0  # of `cache`: the page pools of paged DSA caches (shared by every stream; glm53.layers.dsa)
 
     @property
     def count(self) -> int:
@@ -130,11 +132,12 @@ def _loop_bodies(model: Glm53Model, batch: int, tokens: int, cache, mesh, rules)
 
 
 def programs(
-    model: Glm53Model, batch: int, tokens: int, context: int, compose: str, mesh, rules
+    model: Glm53Model, batch: int, tokens: int, context: int, compose: str, mesh, rules, pages=None
 ) -> list[Unit]:
-    """The units of one step of `batch` streams x `tokens` tokens over caches of `context` tokens."""
+    """The units of one step of `batch` streams x `tokens` tokens over caches of `context` tokens (pages=
+    (num_pages, page_tokens): paged DSA caches, one pool for every stream, each stream's table `context` long)."""
     cfg = model.cfg
-    cache = jax.eval_shape(lambda: model.init_cache(batch, context, jnp.bfloat16))
+    cache = jax.eval_shape(lambda: model.init_cache(batch, context, jnp.bfloat16, pages=pages))
     cache = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         cache,
@@ -148,7 +151,8 @@ def programs(
             return nnx.merge(gd, state)(ids, cache=cache)
 
         reads = _expert_reads(state, batch * tokens * cfg.num_experts_per_tok)
-        units = [Unit("model", step, (state, ids, cache), (2,), [], _split_weights(state), device_bytes(cache), "", reads)]
+        units = [Unit("model", step, (state, ids, cache), (2,), [], _split_weights(state), device_bytes(cache), "", reads,
+                      pool=device_bytes(split_pool(cache)[1]))]  # fmt: skip
         return units + _loop_bodies(model, batch, tokens, cache, mesh, rules)
     x = _placed(
         (batch, tokens, cfg.hc_mult, cfg.hidden_size), jnp.bfloat16, (S.BATCH,) + (None,) * 3, mesh, rules
@@ -168,7 +172,8 @@ def programs(
             step = lambda state, x, c, start, sel, fn=fn: fn(state, x, cache=c, start_b=start, selection=sel)  # noqa: E731
             weights, cache_bytes = _split_weights(state), device_bytes(cache.layers[i])
             reads = _expert_reads(state, batch * tokens * cfg.num_experts_per_tok)
-            units[key] = Unit(key[0], step, args, (2,), [], weights, cache_bytes, f"layers.{i}.", reads)
+            units[key] = Unit(key[0], step, args, (2,), [], weights, cache_bytes, f"layers.{i}.", reads,
+                              pool=device_bytes(split_pool(cache.replace(layers=(cache.layers[i],)))[1]))  # fmt: skip
         units[key].layers.append(i)
         if layer.attn_kind == "dsa" and not shared and "shared" in cfg.indexer_types[i + 1 :]:
             sel = jax.eval_shape(units[key].fn, *args)[2]

@@ -69,6 +69,8 @@ class Settings:
     compose: str = "kinds"
     census: bool = True
     placement: str = ""
+    cache_tokens: int = 0  # > 0: paged DSA caches, a pool of this many tokens shared by the streams
+    page_tokens: int = 256
 
     def __post_init__(self):
         if self.compose not in COMPOSE:
@@ -81,6 +83,8 @@ class Settings:
             raise ValueError(
                 f"--streams / --prefill must be positive (one may be empty), got {self.streams} / {self.prefill}"
             )
+        if self.cache_tokens < 0 or self.page_tokens < 1:
+            raise ValueError(f"--cache_tokens={self.cache_tokens} must be >= 0, --page_tokens >= 1")
         if self.context < max(self.prefill, default=1) or self.layers < 0:
             raise ValueError(f"--context={self.context} must hold the largest prefill; --layers >= 0")
 
@@ -264,13 +268,18 @@ def _run(config, settings: Settings, progress: Callable[[str], None], partial, b
     shapes = [("decode", b, 1) for b in settings.streams] + [("prefill", 1, p) for p in settings.prefill]
     bar.set_total(len(shapes))
     results, first = [], None
+    pages = None
+    if settings.cache_tokens:  # a whole number of pages per device of the sequence axes, + one scratch page each
+        n_seq = S.axis_size(mesh, rules.mesh_axes(S.CACHE_SEQ), "DSA cache")
+        per = -(-settings.cache_tokens // (settings.page_tokens * n_seq)) + 1
+        pages = (per * n_seq, settings.page_tokens)
     for phase, batch, tokens in shapes:
-        units = programs(model, batch, tokens, settings.context, settings.compose, mesh, rules)
+        units = programs(model, batch, tokens, settings.context, settings.compose, mesh, rules, pages)
         rows = []
         for j, u in enumerate(units):
             r, lowered = compile_unit(u)
             rows.append(dict(name=u.name, layers=u.layers, count=u.count, weights=u.weights,
-                             cache=u.cache, expert_reads=u.expert_reads, **r))  # fmt: skip
+                             cache=u.cache, pool=u.pool, expert_reads=u.expert_reads, **r))  # fmt: skip
             if lowered is not None and (first is None or r["compile_s"] > first[1]["compile_s"]):
                 first = (u, r)  # the census recompiles the slowest unit of the first program
             mem = r.get("memory", {})
@@ -311,11 +320,19 @@ def _run(config, settings: Settings, progress: Callable[[str], None], partial, b
                 for cls, n in r["weights_compiled"].items():
                     by_class[cls] = by_class.get(cls, 0) + n * r["count"]
             prog["total"]["weights_compiled"] = dict(sorted(by_class.items()))
-            prog["total"]["cache_per_stream"] = prog["total"]["cache"] // batch
-            fixed = prog["total"]["total"] - prog["total"]["cache"]
-            prog["total"]["context_sets_fit"] = max(
-                0, (prog["total"]["hbm"] - fixed) // prog["total"]["cache_per_stream"]
-            )
+            if pages is None:
+                prog["total"]["cache_per_stream"] = prog["total"]["cache"] // batch
+                fixed = prog["total"]["total"] - prog["total"]["cache"]
+                prog["total"]["context_sets_fit"] = max(
+                    0, (prog["total"]["hbm"] - fixed) // prog["total"]["cache_per_stream"]
+                )
+            else:  # the pool's bytes per token, and how many tokens of it fit beside everything else
+                pool = sum(r["count"] * r["pool"] for r in (rows[:1] if settings.compose == "full" else rows))
+                t["pool"], t["pool_tokens"] = pool, (pages[0] - n_seq) * pages[1]
+                t["pool_bytes_per_token"] = pool / (pages[0] * pages[1])  # per device, every DSA layer
+                t["cache_per_stream"] = (t["cache"] - pool) // batch  # KDA states, rings, tables
+                t["context_sets_fit"] = 0
+                t["cache_tokens_fit"] = max(0, int((t["hbm"] - (t["total"] - pool)) / t["pool_bytes_per_token"]))
         results.append(prog)
         bar.update(1, postfix=f"{phase} {batch}x{tokens}")
         if partial is not None:
@@ -378,7 +395,7 @@ def _non_expert_weights(model: dict, budget: dict, programs: list[dict]) -> dict
 def table(result: dict) -> str:
     """The result as a Markdown table: one row per program, per-device figures on one chip."""
     head = ("| program | compile s | weights GB | caches GB | temp GB | code MB | total GB | fits 16 GiB "
-            "| context sets fit | GB accessed | roofline ms | all-reduce / all-gather / reduce-scatter / all-to-all "
+            "| context sets fit (paged: cache tokens fit) | GB accessed | roofline ms | all-reduce / all-gather / reduce-scatter / all-to-all "
             "/ permute | Mosaic kernels (gathers) |")  # fmt: skip
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for p in result["programs"]:
@@ -392,7 +409,7 @@ def table(result: dict) -> str:
         lines.append(
             f"| {name} | {p['compile_s']:.0f} | {_gb(t['weights'])} | {_gb(t['cache'])} | {_gb(t['temp'])} "
             f"| {t['code'] / 1e6:.1f} | {_gb(t['total'])} | {'yes' if t['fits'] else 'no'} "
-            f"| {t['context_sets_fit']} | {_accessed(t['cost'])} "
+            f"| {t.get('cache_tokens_fit', t['context_sets_fit'])} | {_accessed(t['cost'])} "
             f"| {t['roofline']['roofline_s'] * 1e3:.2f} | {coll} | {t['mosaic_kernels']} ({t['mosaic_gathers']}) |"
         )
     return "\n".join(lines)

@@ -13,6 +13,13 @@ position) pairs are known from when each token came out). The prior art's decode
 (token, expert) pair; ours follows the distinct experts, so the step time should grow with them, not with N x K.
 The replay's routing is the full-sequence forward's, which equals decoding's up to float rounding (a near tie
 between two experts may differ).
+
+Serving at a token budget (`run_mixed`, experiments.bench_serve --mixed=N): N greedy streams of mixed lengths
+(`mixed_lengths`: prompt + max_new log-uniform over [lo, hi] tokens, a fixed seed) submitted at once to one engine
+and run to completion: on paged caches (many slots sharing a pool of cache_tokens) or contiguous ones (cache_tokens
+// max_len slots of max_len positions: the same DSA cache bytes, fewer streams at once, the rest queue). Measured:
+streams in slots at once (the most seen after any step), total tokens/s, TTFT p50 / p99 (from submission), the
+finish reasons (streams ended by the pool running out: `finish_out_of_pages`), page waits and the process's peak RSS.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import resource
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -98,6 +106,98 @@ def run_streams(model, vocab: int, n: int, *, slots: int, prompt_len: int, max_n
         row["mtp_acceptance"] = row["mtp_accepted"] / row["mtp_drafted"]
     trace = {r.id: (r.prompt, toks[r.id], steps[r.id]) for r in reqs}
     return row, trace
+
+
+def mixed_lengths(n: int, lo: int, hi: int, seed: int = 0, prompt_share: float = 0.75) -> list[tuple[int, int]]:
+    """n (prompt, max_new) pairs whose totals are log-uniform over [lo, hi] (rounded; a fixed seed): the prompt
+    `prompt_share` of the total (at least 1 token), max_new the rest (at least 1)."""
+    if not 2 <= lo <= hi or not 0 <= prompt_share <= 1:
+        raise ValueError(f"mixed_lengths: need 2 <= lo={lo} <= hi={hi} and 0 <= prompt_share={prompt_share} <= 1")
+    totals = np.exp(np.random.default_rng(seed).uniform(np.log(lo), np.log(hi), n))
+    out = []
+    for t in np.clip(np.rint(totals).astype(int), lo, hi):
+        p = min(max(1, int(t * prompt_share)), int(t) - 1)
+        out.append((p, int(t) - p))
+    return out
+
+
+def mixed_prompts(lengths: list[tuple[int, int]], vocab: int) -> list[list[int]]:
+    """A prompt of each (prompt, max_new)'s length, different per stream (`prompts`' tokens, nothing shared)."""
+    return [[(7 * i + j + 1) % vocab for j in range(p)] for i, (p, _) in enumerate(lengths)]
+
+
+def _reset_peak_rss() -> bool:
+    """Resets the process's peak RSS (Linux VmHWM, /proc/self/clear_refs "5"); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mb(reset: bool) -> float:
+    """The peak RSS (MiB) since `_reset_peak_rss` (reset True: VmHWM), else the process's (ru_maxrss, KiB on Linux)."""
+    if reset:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_mixed(model, vocab: int, lengths: list[tuple[int, int]], *, slots: int, max_len: int,
+              cache_tokens: int | None = None, page_tokens: int = 16, buckets=(1, 16, 256),
+              engine_kwargs: dict | None = None) -> dict:  # fmt: skip
+    """One engine (paged on `cache_tokens` tokens in pages of `page_tokens`; None: contiguous, slots x max_len)
+    built and warmed, one untimed request, then one greedy request per (prompt, max_new) of `lengths` (no EOS)
+    submitted at once and stepped to completion in this thread: the row of measurements (module docstring)."""
+    kw = dict(engine_kwargs or {})
+    if cache_tokens is not None:
+        kw.update(cache_tokens=cache_tokens, page_tokens=page_tokens, prefix_block=page_tokens)
+    buckets = [b for b in buckets if b <= max_len] or [1]  # no warm-up chunk past the cache
+    eng = E.Engine(model, slots=slots, max_len=max_len, buckets=buckets, eos_ids=(), **kw)
+    compile_s = eng.warmup()
+    E.generate(eng, [E.Request([1] * 3, max_tokens=2)])  # one untimed request
+    stats0 = dict(eng.stats)
+    first: dict[str, float] = {}
+    counts: dict[str, int] = defaultdict(int)
+    reasons: dict[str, int] = defaultdict(int)
+
+    def sink(ev: E.Event) -> None:
+        if ev.token_ids:
+            first.setdefault(ev.request_id, time.perf_counter())
+            counts[ev.request_id] += len(ev.token_ids)
+        if ev.finish_reason is not None:
+            reasons[ev.finish_reason] += 1
+
+    reqs = [E.Request(p, max_tokens=m) for p, (_, m) in zip(mixed_prompts(lengths, vocab), lengths)]
+    reset = _reset_peak_rss()
+    t0, busy_max = time.perf_counter(), 0
+    for r in reqs:
+        eng.submit(r, sink)
+    while True:
+        worked = eng.step()
+        busy_max = max(busy_max, eng.busy_slots)
+        if not worked and eng.idle():
+            break
+    dt = time.perf_counter() - t0
+    d = {k: eng.stats[k] - stats0.get(k, 0) for k in eng.stats}
+    ttft = [first[r.id] - t0 for r in reqs if r.id in first]
+    total = sum(counts.values())
+    pool_bytes = sum(int(a.nbytes) for a in jax.tree.leaves(eng.programs.pool))  # the DSA pages (contiguous: 0)
+    cache_bytes = pool_bytes + sum(int(a.nbytes) for a in jax.tree.leaves(eng.programs.rows))  # + per-slot rows
+    row = {"mode": "paged" if cache_tokens is not None else "contiguous", "streams": len(reqs), "slots": slots,
+           "max_len": max_len, "cache_tokens": cache_tokens if cache_tokens is not None else slots * max_len,
+           "page_tokens": page_tokens if cache_tokens is not None else None, "cache_bytes": cache_bytes,
+           "pool_bytes": pool_bytes, "prompt_tokens": sum(p for p, _ in lengths),
+           "max_new_tokens": sum(m for _, m in lengths),
+           "max_busy_slots": busy_max, "tokens": total, "seconds": dt, "total_tok_s": total / dt,
+           "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99), "finished": sum(reasons.values()),
+           "finish_reasons": dict(sorted(reasons.items())), "finish_out_of_pages": d.get("finish_out_of_pages", 0),
+           "page_waits": d.get("page_waits", 0), "decode_steps": d.get("steps", 0), "compile_s": compile_s,
+           "peak_rss_mb": _peak_rss_mb(reset), "peak_rss_since": "run" if reset else "process"}  # fmt: skip
+    return row
 
 
 def step_costs(model, slots: list[int], options: dict[str, dict | None], *, max_len: int, rounds: int = 200,

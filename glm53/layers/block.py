@@ -57,10 +57,11 @@ class DecoderLayer(nnx.Module):
                 layer_idx=layer_idx,
             )  # fmt: skip
 
-    def init_cache(self, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32):
+    def init_cache(self, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, *, pages=None):
+        """This layer's empty cache; pages=(num_pages, page_tokens): a DSA layer's is paged (KDA: per stream)."""
         if self.attn_kind == "kda":
             return kda_lib.init_cache(cfg, batch, max_len, dtype)
-        return self.self_attn.init_cache(batch, max_len, dtype)
+        return self.self_attn.init_cache(batch, max_len, dtype, pages=pages)
 
     def __call__(self, x_btnd, *, cache=None, start_b=None, selection=None):
         """Returns (new streams, new layer cache or None, indexer selection (DSA) or the one passed in).

@@ -72,9 +72,14 @@ def append_tokens(
     start_b: jnp.ndarray,
     ape_jc: jnp.ndarray,
     pool_offset: int | jnp.ndarray = 0,
+    page_table_bm: jnp.ndarray | None = None,
+    page_offset: int | jnp.ndarray = 0,
 ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """Appends T tokens at positions start_b .. start_b+T-1: (recent_k, recent_gate, pooled) updated.
     `pooled_bpc` holds pools pool_offset .. pool_offset + P - 1 (a sequence shard; pools outside are dropped).
+    With `page_table_bm` [B, M] it is a page pool [num_pages, pools per page, C] instead: stream b's pool q is
+    row q % ppp of page table[b, q // ppp] (pools past the table's M * ppp are dropped; a device's block of a
+    sharded pool holds global pages page_offset .. page_offset + num_pages - 1, the others' pools are dropped).
 
     Every pool the tokens touch gets its pooled key recomputed from its members: the open pool's earlier members
     come from the ring, the rest are the new tokens (cast to the cache dtype first, as if read back from a
@@ -88,7 +93,7 @@ def append_tokens(
     n = (kpool - 1 + t + kpool - 1) // kpool  # pools touched by T tokens starting anywhere in a pool
     dtype = recent_k_bwc.dtype
 
-    def one(rk_wc, rg_wc, pooled_pc, k_tc, g_tc, s):
+    def one(rk_wc, rg_wc, k_tc, g_tc, s):
         a0 = (s // kpool) * kpool  # first position of the pool holding position s
         k_tc, g_tc = k_tc.astype(dtype), g_tc.astype(dtype)
         slots = (a0 + jnp.arange(kpool)) % w
@@ -98,17 +103,28 @@ def append_tokens(
             return jax.lax.dynamic_update_slice_in_dim(buf, new_tc, s - a0, axis=0).reshape(n, kpool, c)
 
         new_nc = pool_keys(members(rk_wc, k_tc)[None], members(rg_wc, g_tc)[None], ape_jc)[0]
-        rows = s // kpool - pool_offset + jnp.arange(n)
-        rows = jnp.where(rows < 0, pooled_pc.shape[0], rows)  # a negative row is another shard's: dropped
-        pooled_pc = pooled_pc.at[rows].set(new_nc.astype(pooled_pc.dtype), mode="drop")
         # ring slot i: the latest position P <= s+T-1 with P = i (mod w); from the new tokens when P >= s
         end = s + t - 1
         j = end - (end - jnp.arange(w)) % w - s
         take = (j >= 0)[:, None]
         jj = jnp.clip(j, 0, t - 1)
-        return jnp.where(take, k_tc[jj], rk_wc), jnp.where(take, g_tc[jj], rg_wc), pooled_pc
+        return jnp.where(take, k_tc[jj], rk_wc), jnp.where(take, g_tc[jj], rg_wc), new_nc
 
-    return jax.vmap(one)(recent_k_bwc, recent_gate_bwc, pooled_bpc, k_btc, gate_btc, start_b)
+    rk, rg, new_bnc = jax.vmap(one)(recent_k_bwc, recent_gate_bwc, k_btc, gate_btc, start_b)
+    pools_bn = (start_b // kpool)[:, None] + jnp.arange(n)  # the pools the tokens touched, in stream order
+    new_bnc = new_bnc.astype(pooled_bpc.dtype)
+    if page_table_bm is not None:
+        ppp = pooled_bpc.shape[1]
+        page = jnp.take_along_axis(page_table_bm, jnp.clip(pools_bn // ppp, 0, page_table_bm.shape[1] - 1), axis=1)
+        page = page - page_offset
+        keep = (pools_bn < page_table_bm.shape[1] * ppp) & (page >= 0) & (page < pooled_bpc.shape[0])
+        flat = jnp.where(keep, page * ppp + pools_bn % ppp, pooled_bpc.size)
+        pooled = pooled_bpc.reshape(-1, c).at[flat.reshape(-1)].set(new_bnc.reshape(-1, c), mode="drop")
+        return rk, rg, pooled.reshape(pooled_bpc.shape)
+    rows = pools_bn - pool_offset
+    rows = jnp.where(rows < 0, pooled_bpc.shape[1], rows)  # a negative row is another shard's: dropped
+    pooled = jax.vmap(lambda p_pc, r, v: p_pc.at[r].set(v, mode="drop"))(pooled_bpc, rows, new_bnc)
+    return rk, rg, pooled
 
 
 def pool_scores(iq_bthc: jnp.ndarray, w_bth: jnp.ndarray, pooled_bpc: jnp.ndarray) -> jnp.ndarray:
@@ -197,6 +213,64 @@ def select_pools_blocked(
     return s, jnp.where(jnp.isneginf(s), -1, ids)
 
 
+def select_pools_paged(
+    iq_bthc: jnp.ndarray,
+    w_bth: jnp.ndarray,
+    pooled_pxc: jnp.ndarray,
+    page_table_bm: jnp.ndarray,
+    q_pos_bt: jnp.ndarray,
+    *,
+    kpool: int,
+    num_select: int,
+    block_pages: int | None = None,
+    first: int | jnp.ndarray = 0,
+    stride: int = 1,
+    page_offset: int | jnp.ndarray = 0,
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """`select_pools_blocked` over a paged pool [P, ppp, C] read through the page table [B, M]: the same blocks,
+    running top-k and tie rule, but each block's pooled keys are gathered from its pages, and the loop stops after
+    the last block holding a candidate of any query (a `while_loop`): the work follows the streams' lengths, not
+    the table's width M * ppp (a table may cover the model's whole context). `block_pages`: pages per block.
+
+    A device of a sharded pool (glm53.parallel.dsa) scores the table columns first, first + stride, ... (the
+    pages a stream keeps on it) from its block of pages page_offset .. page_offset + P - 1 (a page outside it is
+    never a candidate here); pool ids stay global (column i's pools are i * ppp .. i * ppp + ppp - 1)."""
+    b, t = q_pos_bt.shape
+    m, ppp = page_table_bm.shape[1], pooled_pxc.shape[1]
+    k = min(num_select, m * ppp)
+    m_local = -(-m // stride)  # the columns this call scores
+    if block_pages is None:
+        block_pages = max(1, block_pools(m_local * ppp, t, iq_bthc.shape[2]) // ppp)
+    block_pages = min(block_pages, m_local)
+    block = block_pages * ppp
+    nb_max = -(-m_local // block_pages)
+    cols = first + stride * jnp.arange(nb_max * block_pages)  # the logical page index of each local column
+    table = jnp.take(page_table_bm, jnp.clip(cols, 0, m - 1), axis=1)  # [B, nb_max * block_pages]
+    limit_bt = (q_pos_bt + 1) // kpool  # candidates: pool id < limit
+    need = -(-jnp.max(limit_bt) // ppp)  # pages holding a candidate of any query
+    nb = jnp.minimum(-(-jnp.maximum(need - first, 0) // (stride * block_pages)), nb_max)
+
+    def body(i, carry):
+        best_s, best_id = carry
+        pages = jax.lax.dynamic_slice_in_dim(table, i * block_pages, block_pages, axis=1) - page_offset
+        here = (pages >= 0) & (pages < pooled_pxc.shape[0])  # [B, block_pages]
+        blk = pooled_pxc[jnp.clip(pages, 0, pooled_pxc.shape[0] - 1)].reshape(b, block, pooled_pxc.shape[2])
+        s = pool_scores(iq_bthc, w_bth, blk)  # [B, T, block]
+        col = jax.lax.dynamic_slice_in_dim(cols, i * block_pages, block_pages)
+        gid = (col[:, None] * ppp + jnp.arange(ppp)).reshape(-1)  # [block] global pool ids
+        ok = jnp.repeat(here, ppp, axis=1) & (gid < m * ppp)[None, :]  # [B, block]
+        cand = (gid[None, None, :] < limit_bt[:, :, None]) & ok[:, None, :]
+        s = jnp.where(cand, s, -jnp.inf)
+        ids = jnp.where(cand, gid, -1).astype(jnp.int32)
+        top_s, pos = jax.lax.top_k(jnp.concatenate([best_s, s], axis=-1), k)
+        all_id = jnp.concatenate([best_id, jnp.broadcast_to(ids, s.shape)], axis=-1)
+        return top_s, jnp.take_along_axis(all_id, pos, axis=-1)
+
+    init = (jnp.full((b, t, k), -jnp.inf, jnp.float32), jnp.full((b, t, k), -1, jnp.int32))
+    s, ids = jax.lax.fori_loop(0, nb, body, init)
+    return s, jnp.where(jnp.isneginf(s), -1, ids)
+
+
 class Indexer(nnx.Module):
     """The KPool lightning indexer (HF ``Glm5NextTextIndexer``); weights are [in, out] (HF transposed)."""
 
@@ -233,6 +307,7 @@ class Indexer(nnx.Module):
         recent_gate_bwc: jnp.ndarray,
         pooled_bpc: jnp.ndarray,
         start_b: jnp.ndarray,
+        page_table_bm: jnp.ndarray | None = None,
     ) -> tuple[jnp.ndarray, tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]]:
         """Appends the new tokens to the indexer cache and selects pools for each of them.
 
@@ -241,6 +316,7 @@ class Indexer(nnx.Module):
           recent_k_bwc, recent_gate_bwc [B, 2*kpool, C] (the ring of `recent_rows`), pooled_bpc [B, P, C]: this
             layer's indexer cache.
           start_b: int32 [B], position of token 0 of each stream.
+          page_table_bm: int32 [B, M] when pooled_bpc is a page pool [P, ppp, C] (a paged cache), else None.
         Returns:
           pool_ids int32 [B, T, min(topk/kpool, P)] (-1 = empty), and the updated (recent_k, recent_gate, pooled).
         """
@@ -252,9 +328,10 @@ class Indexer(nnx.Module):
                 "(a cache of another layout?)"
             )
         k, gate, iq_bthc, w_bth = self.project(x_btd, q_res_btr)
+        num_pools = pooled_bpc.shape[1] * (1 if page_table_bm is None else page_table_bm.shape[1])
         return index_step(
             recent_k_bwc, recent_gate_bwc, pooled_bpc, k, gate, iq_bthc, w_bth, start_b, self.compress_ape[...],
-            kpool=self.kpool, num_select=self.num_select(pooled_bpc.shape[1]),
+            kpool=self.kpool, num_select=self.num_select(num_pools), page_table_bm=page_table_bm,
         )  # fmt: skip
 
     def project(self, x_btd: jnp.ndarray, q_res_btr: jnp.ndarray):
@@ -268,14 +345,21 @@ class Indexer(nnx.Module):
 
 
 def index_step(
-    recent_k_bwc, recent_gate_bwc, pooled_bpc, k_btc, gate_btc, iq_bthc, w_bth, start_b, ape_jc, *, kpool, num_select
-):
+    recent_k_bwc, recent_gate_bwc, pooled_bpc, k_btc, gate_btc, iq_bthc, w_bth, start_b, ape_jc, *, kpool, num_select,
+    page_table_bm=None,
+):  # fmt: skip
     """The indexer's cache step on one device: append the tokens (`append_tokens`), select pools for each
-    (`select_pools_blocked`). Returns (pool ids [B, T, num_select], (recent_k, recent_gate, pooled))."""
+    (`select_pools_blocked`; a paged pool through its table, `select_pools_paged`). Returns
+    (pool ids [B, T, num_select], (recent_k, recent_gate, pooled))."""
     recent_k_bwc, recent_gate_bwc, pooled_bpc = append_tokens(
-        recent_k_bwc, recent_gate_bwc, pooled_bpc, k_btc, gate_btc, start_b, ape_jc
+        recent_k_bwc, recent_gate_bwc, pooled_bpc, k_btc, gate_btc, start_b, ape_jc, page_table_bm=page_table_bm
     )
     t = k_btc.shape[1]
     q_pos_bt = start_b[:, None] + jnp.arange(t, dtype=start_b.dtype)[None, :]
-    _, ids = select_pools_blocked(iq_bthc, w_bth, pooled_bpc, q_pos_bt, kpool=kpool, num_select=num_select)
+    if page_table_bm is None:
+        _, ids = select_pools_blocked(iq_bthc, w_bth, pooled_bpc, q_pos_bt, kpool=kpool, num_select=num_select)
+    else:
+        _, ids = select_pools_paged(
+            iq_bthc, w_bth, pooled_bpc, page_table_bm, q_pos_bt, kpool=kpool, num_select=num_select
+        )
     return ids, (recent_k_bwc, recent_gate_bwc, pooled_bpc)

@@ -36,8 +36,8 @@ class MTPBlock(nnx.Module):
         self.mlp = MoE(cfg, rngs=rngs, dtype=dtype, implementation=kernels.moe, quant=quant)
         self.shared_head_norm = RMSNorm(d, eps, rngs=rngs, dtype=dtype)
 
-    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
-        return self.self_attn.init_cache(batch, max_len, dtype)
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32, *, pages=None):
+        return self.self_attn.init_cache(batch, max_len, dtype, pages=pages)
 
     def __call__(self, h_btd, e_btd, *, cache=None, start_b=None):
         """h: trunk final-normed hidden [B, T, D] at positions p; e: embeddings of tokens p+1 [B, T, D].

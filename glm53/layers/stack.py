@@ -303,10 +303,11 @@ class LayerStack(nnx.Module):
         _set_layer_idx(layer, i)
         return layer
 
-    def init_cache(self, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> tuple:
+    def init_cache(self, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, *, pages=None) -> tuple:
         reps = self.group.repeats
         return tuple(
-            jax.tree.map(lambda x: jnp.broadcast_to(x, (reps, *x.shape)), m.init_cache(cfg, batch, max_len, dtype))
+            jax.tree.map(lambda x: jnp.broadcast_to(x, (reps, *x.shape)),
+                         m.init_cache(cfg, batch, max_len, dtype, pages=pages))  # fmt: skip
             for m in self.period
         )
 

@@ -17,6 +17,14 @@ step of a DSA layer (`glm53.layers.dsa.DSA._sharded_step` calls `SeqShardedCache
    the partial softmaxes are combined across devices: M = max_d m_d, L = sum_d l_d e^(m_d - M),
    O = sum_d o_d e^(m_d - M), out = O / L (one pmax and two psums per layer).
 
+Paged caches (`DSACache.paged`): the page pools are split on their page axis over the same devices, device d
+holding the block of pages d * P/n .. (d+1) * P/n - 1, and a stream's i-th page is always on device i % n
+(glm53.serving.pages.PagePool(devices=n) hands pages out so), so every stream is spread evenly. The page tables are
+whole on every device. Each device writes the rows and pooled keys that fall in its pages, scores the table
+columns d, d + n, d + 2n, ... (its pages of each stream; `select_pools_paged`), and attends over the selected rows
+in its pages; the candidates are merged by (score desc, pool id asc) explicitly, since device order is no longer
+pool order.
+
 Collectives per DSA layer and step: the two all-gathers of the candidates ([B, T, K] scores and ids), the pmax
 and the psums of [B, T, H, R]; the queries (q_hat, the indexer's iq) are gathered to every device by GSPMD
 before the shard_map.
@@ -32,7 +40,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from glm53.layers.dsa import DSA, DSACache
-from glm53.layers.indexer import append_tokens, select_pools_blocked
+from glm53.layers.indexer import append_tokens, select_pools_blocked, select_pools_paged
 from glm53.parallel import rules as S
 from glm53.quant.int8 import quantize_rows
 from kernels.sparse_mla import gather
@@ -86,6 +94,9 @@ class SeqShardedCache:
         b, t = c_btr.shape[:2]
         bspec = self.batch_axes if self.batch_axes and b % S.axis_size(self.mesh, self.batch_axes) == 0 else ()
         bsp = bspec or None
+        if cache.paged:
+            return self._paged_step(cache, c_btr, index_in, selection, q_hat, start_b, bsp, kpool=kpool,
+                                    select_tail=select_tail, num_select=num_select, scale=scale)  # fmt: skip
         seq = self.seq_axes
         int8 = cache.latent.dtype == jnp.int8
         shared = index_in is None
@@ -141,6 +152,80 @@ class SeqShardedCache:
             selection, q_hat, start_b,
         )  # fmt: skip
         return DSACache(latent, lscale, rk, rg, pooled), ids, c_hat
+
+    def _paged_step(self, cache: DSACache, c_btr, index_in, selection, q_hat, start_b, bsp, *, kpool, select_tail,
+                    num_select, scale):  # fmt: skip
+        """`step` on paged caches (module docstring)."""
+        t = c_btr.shape[1]
+        seq, n = self.seq_axes, self.shards
+        int8 = cache.latent.dtype == jnp.int8
+        shared = index_in is None
+        pt = cache.latent.shape[1]
+        if cache.latent.shape[0] % n:
+            raise ValueError(f"paged DSA cache: {cache.latent.shape[0]} pages do not split over {n} devices")
+        num_keys = cache.pages.shape[1] * pt
+
+        def write(pool, new, start, table, off):  # the rows whose page is in this device's block
+            pos = start[:, None] + jnp.arange(t, dtype=start.dtype)[None, :]
+            at, here = gather.local_page_rows(table, pos, pool.shape[1], off, pool.shape[0])
+            at = jnp.where(here, at, pool.shape[0] * pool.shape[1]).reshape(-1)
+            flat = pool.reshape(-1, *pool.shape[2:])
+            new = new.reshape(-1, *new.shape[2:]).astype(pool.dtype)
+            return flat.at[at].set(new, mode="drop").reshape(pool.shape)
+
+        def body(latent, lscale, rk, rg, pooled, table, c, index_in, sel, q, start):
+            d = jax.lax.axis_index(seq)
+            off = d * latent.shape[0]  # this device's first global page
+            if int8:
+                cq, cs = quantize_rows(c)
+                latent, lscale = write(latent, cq, start, table, off), write(lscale, cs, start, table, off)
+            else:
+                latent = write(latent, c, start, table, off)
+            q_pos = start[:, None] + jnp.arange(t, dtype=start.dtype)[None, :]
+            if shared:
+                ids = sel
+            else:
+                k, g, iq, w, ape = index_in
+                rk, rg, pooled = append_tokens(rk, rg, pooled, k, g, start, ape, page_table_bm=table, page_offset=off)
+                s_loc, id_loc = select_pools_paged(iq, w, pooled, table, q_pos, kpool=kpool, num_select=num_select,
+                                                   first=d, stride=n, page_offset=off)  # fmt: skip
+                s_all = jax.lax.all_gather(s_loc, seq, axis=2, tiled=True)
+                id_all = jax.lax.all_gather(id_loc, seq, axis=2, tiled=True)
+                # (score desc, pool id asc): device order is not pool order under the round-robin spread
+                neg, gid = jax.lax.sort((-s_all, jnp.where(id_all < 0, jnp.iinfo(jnp.int32).max, id_all)), num_keys=2)
+                top, gid = -neg[..., :num_select], gid[..., :num_select]
+                ids = jnp.where(jnp.isneginf(top), -1, gid)
+
+            def finish(m, l, o, dtype):
+                mx = jax.lax.pmax(m, seq)
+                f = jnp.where(jnp.isfinite(m), jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0)), 0.0)
+                big_l, big_o = jax.lax.psum((l * f, o * f), seq)
+                return (big_o / jnp.where(big_l > 0, big_l, 1.0)).astype(dtype)
+
+            c_hat = gather.sparse_mla(
+                q, latent, ids, q_pos, kpool=kpool, scale=scale, select_tail=select_tail,
+                latent_scale_bs=lscale if int8 else None, num_keys=num_keys, finish=finish, page_table_bm=table,
+                page_offset=off,
+            )  # fmt: skip
+            return latent, lscale, rk, rg, pooled, ids, c_hat
+
+        pages = PartitionSpec(seq, None, None)
+        ring = PartitionSpec(bsp, None, None)
+        tok = PartitionSpec(bsp)
+        index_specs = None if shared else (tok, tok, tok, tok, PartitionSpec())
+        fn = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(pages, PartitionSpec(seq, None), ring, ring, pages, PartitionSpec(bsp, None), tok, index_specs,
+                      tok, tok, tok),  # fmt: skip
+            out_specs=(pages, PartitionSpec(seq, None), ring, ring, pages, tok, tok),
+            check_vma=False,
+        )
+        latent, lscale, rk, rg, pooled, ids, c_hat = fn(
+            cache.latent, cache.latent_scale, cache.recent_k, cache.recent_gate, cache.pooled, cache.pages, c_btr,
+            index_in, selection, q_hat, start_b,
+        )  # fmt: skip
+        return DSACache(latent, lscale, rk, rg, pooled, pages=cache.pages), ids, c_hat
 
 
 def seq_sharded(mesh: Mesh, rules: str | S.Rules) -> SeqShardedCache | None:

@@ -138,6 +138,22 @@ def cache_shardings(cache, mesh: Mesh, rules: str | Rules):
                 conv_state=sh((BATCH, None, CONV_CHANNELS), c.conv_state, f"KDA cache {i} conv_state"),
                 state=sh((BATCH, dims.KDA_HEADS, None, None), c.state, f"KDA cache {i} state"),
             )
+        if isinstance(c, DSACache) and c.paged:  # page pools [P, pt, ...] split on their page axis; tables whole
+            n_seq = axis_size(mesh, rules.mesh_axes(CACHE_SEQ), "DSA cache")
+            if c.latent.shape[0] % n_seq:
+                raise ShardingError(f"DSA cache {i}: {c.latent.shape[0]} pages do not split over the {n_seq} devices "
+                                    f"of cache_seq (rule set {rules.name!r}); use a multiple of {n_seq} pages")  # fmt: skip
+            def pool(axes, a, what):  # no batch axis: the page axis leads
+                return logical_to_sharding(axes if a.size else (None,) * a.ndim, mesh, rules, a.shape, what)
+
+            return DSACache(
+                latent=pool((CACHE_SEQ, None, None), c.latent, f"DSA cache {i} latent pages"),
+                latent_scale=pool((CACHE_SEQ, None), c.latent_scale, f"DSA cache {i} latent_scale pages"),
+                recent_k=sh((BATCH, None, None), c.recent_k, f"DSA cache {i} recent_k"),
+                recent_gate=sh((BATCH, None, None), c.recent_gate, f"DSA cache {i} recent_gate"),
+                pooled=pool((CACHE_SEQ, None, None), c.pooled, f"DSA cache {i} pooled pages"),
+                pages=sh((BATCH, None), c.pages, f"DSA cache {i} pages"),
+            )
         if isinstance(c, DSACache):  # latent [B, S, R], latent_scale [B, S | 0], recent [B, W, C], pooled [B, P, C]
             n_seq = axis_size(mesh, rules.mesh_axes(CACHE_SEQ), "DSA cache")
             n_pools = axis_size(mesh, rules.mesh_axes(CACHE_POOLS), "DSA cache")

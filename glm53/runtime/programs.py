@@ -25,6 +25,14 @@ computation is the full-width step's (sampling keys come from (seed, token index
 sampled tokens are the same at every width (tests/test_serving_engine.py). Slot operations go through
 `glm53.runtime.cache.map_rows` (a scanned model's stacked caches: batch axis 1).
 Decode programs read `decode_state` (glm53.runtime.weights; a sharded model: its state), the others the state.
+
+Paged caches (`pages=(num_pages, page_tokens)`, glm53.layers.dsa.DSACache): every DSA layer's latent, scales and
+pooled keys live in page pools shared by the slots and the staging caches (`pool`), apart from the rows
+(`rows`: KDA states, indexer rings, page tables, lengths; glm53.runtime.cache.split_pool). Every program takes the
+rows and the pool as two arguments, donated: a step writes its rows into the pool in place, a narrow step slices
+only the rows, insert copies only rows (the prefill already wrote the pages), and ("pages",) writes page tables
+into a cache's rows. Which pages a stream holds is the caller's (glm53.serving.pages); a contiguous cache is the
+same code with an empty pool.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ from glm53 import parallel as S
 from glm53.model import Cache, Glm53Model
 from glm53.runtime import sampling
 from glm53.runtime import speculative as spec
-from glm53.runtime.cache import move, narrow, put, write_rows
+from glm53.runtime.cache import join_pool, move, narrow, put, set_pages, split_pool, write_rows
 from glm53.runtime.weights import decode_state
 
 # XLA:CPU options of every program but prefill on CPU (`cpu_options`; a caller's compiler_options on top).
@@ -103,6 +111,26 @@ def build(graphdef, keys: Callable):
     return decode, prefill, insert
 
 
+def _pooled(decode, prefill, insert):
+    """The programs on (rows, pool) pairs (module docstring): each joins its cache arguments with the pool, runs,
+    and returns the new rows and pool apart. decode -> (out, rows, pool); prefill -> (logits, h, staging rows,
+    pool); insert -> (out, rows, pool)."""
+
+    def decode_p(state, rows, pool, *args):
+        out, new = decode(state, join_pool(rows, pool), *args)
+        return (out, *split_pool(new))
+
+    def prefill_p(state, staging, pool, tokens, h_prev):
+        logits, h, staging = prefill(state, join_pool(staging, pool), tokens, h_prev)
+        return (logits, h, *split_pool(staging))
+
+    def insert_p(state, rows, staging, pool, *args):
+        out, new = insert(state, join_pool(rows, pool), join_pool(staging, pool), *args)
+        return (out, *split_pool(new))
+
+    return decode_p, prefill_p, insert_p
+
+
 def placed(fn: Callable, place: Callable, replicated, *args):
     """`fn(*args)` (decode, prefill or insert: a tuple) with every Cache in the cache's shardings (`place`) and
     every other output replicated: a sharded model's programs then take back the layouts they return (one
@@ -126,9 +154,13 @@ class Programs:
     replacing an entry (glm53.serving.multihost, a test's fault) changes what runs."""
 
     def __init__(self, model: Glm53Model, *, slots: int, max_len: int, decode_widths=None, prefill_widths=(1,),
-                 speculative: bool = False, compiler_options: dict | None = None, mesh=None, rules="tp"):  # fmt: skip
+                 speculative: bool = False, compiler_options: dict | None = None, mesh=None, rules="tp",
+                 pages: tuple[int, int] | None = None):  # fmt: skip
         if speculative and model.mtp is None:
             raise ValueError("speculative=True: the model has no MTP block (build it with with_mtp=True)")
+        if pages is not None and mesh is not None:
+            raise NotImplementedError("paged caches run on one device for now: pass pages=None with a mesh")
+        self.pages = pages
         self.cfg, self.speculative, self.slots, self.max_len = model.cfg, bool(speculative), slots, max_len
         if decode_widths is None:
             decode_widths = widths(slots) if mesh is None else (slots,)
@@ -153,51 +185,83 @@ class Programs:
         decode, prefill, insert = (spec.build if self.speculative else build)(gd, keys)
         if rep is not None:  # sharded: outputs placed as the inputs come (no second compile per program)
             decode, prefill, insert = (functools.partial(placed, f, place, rep) for f in (decode, prefill, insert))
+        decode, prefill, insert = _pooled(decode, prefill, insert)
         jit, d, dt = self.jit, self.cfg.hidden_size, model.dtype
-        fns = {("decode", b): jit(narrow(decode, b)) for b in self.decode_widths[:-1]}  # then put
-        fns["decode", slots] = jit(decode, donate_argnums=(1,))
+        fns = {("decode", b): jit(narrow(decode, b), donate_argnums=(2,)) for b in self.decode_widths[:-1]}  # put
+        fns["decode", slots] = jit(decode, donate_argnums=(1, 2))
         fns.update({("h0", w): jit(lambda w=w: jnp.zeros((w, 1, d), dt), out_shardings=rep)
                     for w in self.prefill_widths})  # fmt: skip
         # fresh functions: jit's cache, which `compiled` counts, is per function (not per object)
-        fns["prefill",], fns["insert",] = prefill_jit(prefill, donate_argnums=(1,)), jit(insert, donate_argnums=(1,))
+        fns["prefill",] = prefill_jit(prefill, donate_argnums=(1, 2))
+        fns["insert",] = jit(insert, donate_argnums=(1, 3))
         fns["move",] = jit(lambda cache, src, dst: move(cache, src, dst), donate_argnums=(0,))
         fns["put",] = jit(lambda cache, rows: put(cache, rows), donate_argnums=(0,))
-        fns["init",] = jit(lambda state, b: place(nnx.merge(gd, state).init_cache(b, max_len)), static_argnums=(1,))
+
+        def init(state, b):  # the rows of an empty cache of b rows; b = 0: the page pool (None: contiguous)
+            rows, pool = split_pool(place(nnx.merge(gd, state).init_cache(max(b, 1), max_len, pages=pages)))
+            return pool if b == 0 else rows
+
+        fns["init",] = jit(init, static_argnums=(1,))
+        if pages is not None:
+            fns["pages",] = jit(set_pages, donate_argnums=(0,))
         self.fns: dict[tuple, Callable] = dict(sorted(fns.items(), key=str))
-        self.cache = self.init(slots)
+        self.pool = self._init_pool()
+        self.rows = self.init(slots)
 
     # -------------------------------------------------------------------------------------------- calls
+    @property
+    def cache(self) -> Cache:
+        """The slots' cache (their rows with the page pool; a contiguous cache: the rows)."""
+        return join_pool(self.rows, self.pool)
+
     def init(self, b: int) -> Cache:
-        """An empty cache of b rows."""
+        """The rows of an empty cache of b rows (a paged cache's tables all scratch; its pages are the pool's)."""
         return self.fns["init",](self.state, b)
 
     def reset(self) -> None:
-        """The slots' cache rebuilt empty (after a failed step that had it donated)."""
-        self.cache = self.init(self.slots)
+        """The slots' cache rebuilt empty (after a failed step that had it donated), the pool too."""
+        self.pool = self._init_pool()
+        self.rows = self.init(self.slots)
+
+    def _init_pool(self):
+        """The page pools, empty (a contiguous cache's: a tree without arrays, nothing compiled)."""
+        if self.pages is None:
+            return self.fns["init",].eval_shape(self.state, 0)
+        return self.fns["init",](self.state, 0)
+
+    def set_pages(self, rows: Cache | None, table) -> Cache | None:
+        """`rows` (a staging cache's; None: the slots') with page tables `table` int32 [rows, M] (donated)."""
+        if rows is None:
+            self.rows = self.fns["pages",](self.rows, np.asarray(table, np.int32))
+            return None
+        return self.fns["pages",](rows, np.asarray(table, np.int32))
 
     def h0(self, w: int):
         return self.fns["h0", w]()
 
     def prefill(self, staging: Cache, tokens, h):
-        """(last logits [w, V], last hidden [w, 1, D], staging) after the chunk `tokens` [w, C] (staging donated)."""
-        return self.fns["prefill",](self.state, staging, tokens, h)
+        """(last logits [w, V], last hidden [w, 1, D], staging) after the chunk `tokens` [w, C] (staging donated;
+        a paged staging writes into the pool)."""
+        logits, h, staging, self.pool = self.fns["prefill",](self.state, staging, self.pool, tokens, h)
+        return logits, h, staging
 
     def insert(self, staging: Cache, slots, logits, h, mask, *args) -> np.ndarray:
         """Writes staging row i over slot slots[i] (< 0: not written); int32 [w, 2] (first token, its draft)."""
-        out, self.cache = self.fns["insert",](self.state, self.cache, staging, slots, logits, h, mask, *args)
+        out, self.rows, self.pool = self.fns["insert",](self.state, self.rows, staging, self.pool, slots, logits, h,
+                                                        mask, *args)  # fmt: skip
         return np.asarray(out)
 
     def decode(self, tokens, drafts, active, verify, mask, counts, args) -> np.ndarray:
         """The step of width b = len(active) over the first b slots: tokens [b] (plain) or rows (y0, y1, accepted,
         next draft) [b, 4] (speculative): the one host transfer."""
         b = len(active)
-        out, new = self.fns["decode", b](self.dstates[b], self.cache, tokens, drafts, active, verify, mask, counts,
-                                         *args)  # fmt: skip
-        self.cache = new if b == self.slots else self.fns["put",](self.cache, new)
+        out, new, self.pool = self.fns["decode", b](self.dstates[b], self.rows, self.pool, tokens, drafts, active,
+                                                    verify, mask, counts, *args)  # fmt: skip
+        self.rows = new if b == self.slots else self.fns["put",](self.rows, new)
         return np.asarray(out)
 
     def move(self, src: int, dst: int) -> None:
-        self.cache = self.fns["move",](self.cache, src, dst)
+        self.rows = self.fns["move",](self.rows, src, dst)
 
     # -------------------------------------------------------------------------------------------- compiling
     def compiled(self) -> int:
@@ -208,7 +272,7 @@ class Programs:
 
     def held(self) -> list[jax.Array]:
         """The device arrays this object holds, in a fixed order: the state, the decode states, the cache."""
-        trees = (self.state, *(self.dstates[b] for b in self.decode_widths), self.cache)
+        trees = (self.state, *(self.dstates[b] for b in self.decode_widths), self.rows, self.pool)
         return [x for t in trees for x in jax.tree.leaves(t) if isinstance(x, jax.Array)]
 
     def warmup(self, buckets, max_chunk: int, log: Callable[[str], None] | None = None,
@@ -223,8 +287,13 @@ class Programs:
             if log:
                 log(f"compiled decode [{b} slots{', speculative' if self.speculative else ''}] "
                     f"({time.perf_counter() - t:.1f} s)")  # fmt: skip
+        m = None if self.pages is None else -(-self.max_len // self.pages[1])  # paged: the tables' width
+        if m is not None:
+            self.set_pages(None, np.zeros((self.slots, m), np.int32))
         for w in self.prefill_widths:
             staging, h = self.init(w), self.h0(w)
+            if m is not None:
+                staging = self.set_pages(staging, np.zeros((w, m), np.int32))
             for c in buckets if w == 1 else [c for c in buckets if c <= max_chunk]:
                 t = time.perf_counter()
                 logits, h, staging = self.prefill(staging, np.zeros((w, c), np.int32), h)

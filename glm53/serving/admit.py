@@ -60,6 +60,7 @@ class Group:
     chunks: list[int]  # the chunks left (every member's plan)
     fed: int = 0  # prompt tokens of each member in the staging cache (restored or prefilled)
     h: object = None  # the staging's last hidden states [width, 1, D] (the MTP block pairs them with next tokens)
+    dirty: bool = False  # paged caches: the staging's page tables must be (re)written before the next chunk
 
     def live(self) -> list[Seq]:
         return [s for s in self.seqs if not s.done]

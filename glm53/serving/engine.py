@@ -5,7 +5,8 @@ put / move, cache init; its docstring says what each does), all compiled once at
 counts them). New requests take the lowest free slot and each step runs the smallest decode width covering the
 highest busy slot (idle slots above it cost nothing; `move`: a busy slot's rows copied into a free lower one, when
 that allows a narrower step). New requests are fed, a chunk per engine step between decode steps, into a staging
-cache of w rows, up to max(prefill_widths) requests of one chunk plan together (glm53.serving.admit); a prompt is
+cache of w rows, up to max(prefill_widths) requests of one chunk plan together (glm53.serving.admit; the prefill
+methods are glm53.serving.prefill's `Prefill`, a base of `Engine`); a prompt is
 split into bucket-sized chunks, largest first (buckets include 1: no chunk is ever padded); insert writes the
 staging rows over their slots and samples each first token.
 Options: `prefix_cache_bytes` > 0: a prompt sharing whole blocks of `prefix_block` tokens with an earlier one
@@ -39,15 +40,17 @@ import numpy as np
 
 from glm53.model import Glm53Model
 from glm53.runtime.programs import Programs, widths
-from glm53.serving.admit import Group, Seq, groupable, mask_rows, sampling_args, width_for
+from glm53.serving.admit import Group, Seq, mask_rows, sampling_args, width_for
 from glm53.serving.lifecycle import Intake, OwnFailure, advance, log, own_error, shared_error
 from glm53.serving.limits import Limits
-from glm53.serving.prefix import PrefixCache, chunk_plan
+from glm53.serving.prefill import Prefill
+from glm53.serving.prefix import PrefixCache
 from glm53.serving.request import Closed, Event, QueueFull, Request, Sink, check_request  # noqa: F401 - the API
+from glm53.serving.slotpages import SlotPages
 from glm53.serving.text import StopText
 
 
-class Engine:
+class Engine(Prefill):
     """B slots over one model. `detokenize(ids) -> str` turns generated ids into text (None: no text, no stop
     strings). compiler_options go to every `jax.jit` (e.g. {"xla_backend_optimization_level": 0}: faster
     compiles for tests), on CPU on top of `glm53.runtime.programs.CPU_OPTIONS` (prefill: XLA's defaults). decode_widths: the decode step's
@@ -58,7 +61,12 @@ class Engine:
     and rule set a sharded model was placed with (caches are created in the rules' shardings).
     prefill_batch: the most requests prefilled together (None: min(slots, 8); a sharded model: 1), in groups of
     the widths 1, 2, 4, ..., prefill_batch, for chunks of at most prefill_batch_chunk tokens (glm53.serving.admit).
-    max_queue: live requests beyond the slots (waiting); limits: what a request may ask for (its stop strings)."""
+    max_queue: live requests beyond the slots (waiting); limits: what a request may ask for (its stop strings).
+    cache_tokens: serve at a token budget (paged DSA caches, docs/serving.md "Paged caches"): every DSA layer's
+    cache is one pool of ceil(cache_tokens / page_tokens) pages shared by the slots (plus a scratch page), a
+    request may grow up to max_len tokens while pages last, waits for pages when none are free and finishes with
+    "length" when it cannot grow; None: every slot owns max_len positions (contiguous). page_tokens: the page
+    size (None: prefix_block; a multiple of index_kpool; the prefix cache's block is the page)."""
 
     def __init__(
         self,
@@ -80,6 +88,8 @@ class Engine:
         prefill_batch: int | None = None,
         prefill_batch_chunk: int = 64,
         limits: Limits | None = None,
+        cache_tokens: int | None = None,
+        page_tokens: int | None = None,
     ):
         for name, v, lo in (("slots", slots, 1), ("max_len", max_len, 2), ("max_queue", max_queue, 1),
                             ("prefill_batch_chunk", prefill_batch_chunk, 1)):  # fmt: skip
@@ -100,17 +110,27 @@ class Engine:
         if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) or not 1 <= prefill_batch <= slots:
             raise ValueError(f"prefill_batch={prefill_batch!r}: must be an integer in [1, slots={slots}]")
         self.prefill_batch_chunk = prefill_batch_chunk
+        self.paging, self.page_bytes = None, 0
+        if cache_tokens is not None:
+            self.paging = SlotPages(slots=slots, max_len=max_len, cache_tokens=cache_tokens,
+                                    page_tokens=page_tokens or prefix_block, kpool=self.cfg.index_kpool,
+                                    speculative=speculative, sharded=mesh is not None,
+                                    prefix_cache_bytes=prefix_cache_bytes, prefix_block=prefix_block)  # fmt: skip
+        pages = self.paging.spec if self.paging else None
         self.programs = Programs(model, slots=slots, max_len=max_len, decode_widths=decode_widths,
                                  prefill_widths=widths(prefill_batch), speculative=speculative,
-                                 compiler_options=compiler_options, mesh=mesh, rules=rules)  # fmt: skip
+                                 compiler_options=compiler_options, mesh=mesh, rules=rules, pages=pages)  # fmt: skip
         self.decode_widths, self.prefill_widths = self.programs.decode_widths, self.programs.prefill_widths
+        if self.paging:  # one page: every DSA layer's rows of page_tokens positions
+            self.page_bytes = sum(int(a.nbytes) for a in jax.tree.leaves(self.programs.pool)) // self.pool.num_pages
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.detokenize = detokenize
         self.stats = collections.Counter()  # steps, tokens, prefill_tokens, requests, finished, refused, ...
         self.prefix = None
         if prefix_cache_bytes:
             self.prefix = PrefixCache(block=prefix_block, budget=prefix_cache_bytes, kpool=self.cfg.index_kpool,
-                                      with_mtp=self.speculative, jit=self.programs.jit, stats=self.stats)  # fmt: skip
+                                      with_mtp=self.speculative, jit=self.programs.jit, stats=self.stats,
+                                      pages=self.pool, page_bytes=self.page_bytes)  # fmt: skip
         self.max_queue = max_queue
         self._intake = Intake(slots + max_queue)  # the live requests (thread-safe)
         self._active: dict[int, Seq] = {}
@@ -119,6 +139,16 @@ class Engine:
         self._drafts = np.zeros(slots, np.int32)  # speculative: each slot's draft of the token after its next
         self._true: dict[int, jax.Array] = {}  # n -> the all-true mask [n, V] (no slot constrained)
         self.warm = False
+
+    @property
+    def context_limit(self) -> int:
+        """The most tokens (prompt + generated) one request may hold: max_len, on pages also what the pool holds."""
+        return self.max_len if self.paging is None else self.paging.context_limit
+
+    @property
+    def pool(self):
+        """The page pool (glm53.serving.pages.PagePool) of a paged engine, else None."""
+        return None if self.paging is None else self.paging.pool
 
     # ------------------------------------------------------------------------------------------- programs
     @property
@@ -144,20 +174,6 @@ class Engine:
             log(f"engine warm: {self.compiled_programs()} programs in {dt:.1f} s")
         return dt
 
-    def _run_insert(self, g: Group, logits) -> list[int]:
-        """Writes the group's live rows into their slots; their first tokens (draft kept per slot). A row whose
-        constraint raises ends alone and is not written."""
-        rows = [None if s is None or s.done else s for s in g.seqs + [None] * (g.width - len(g.seqs))]
-        mask = self._masks(rows)
-        rows = [None if s is None or s.done else s for s in rows]
-        slots = np.asarray([-1 if s is None else s.slot for s in rows], np.int32)
-        args = mask, *sampling_args(rows, g.width, self.cfg.vocab_size)
-        out = self.programs.insert(g.staging, slots, logits, g.h, *args)
-        for s, (_, draft) in zip(rows, out):
-            if s is not None:
-                self._drafts[s.slot] = draft
-        return [int(t) for t in out[:, 0]]
-
     # ---- constrained decoding (Request.constraint): a bool mask [n, V] per step; no slot constrained: the
     # all-true mask already on the device (no transfer). Every program always takes it: no program added.
     # A row whose constraint raises ends that request alone ("error"); its row stays all true.
@@ -172,7 +188,7 @@ class Engine:
     # ------------------------------------------------------------------------------------------- requests
     def check(self, req: Request) -> None:
         """ValueError naming the field when the request cannot run on this engine."""
-        check_request(req, self.cfg.vocab_size, self.max_len, self.detokenize is not None, self.limits)
+        check_request(req, self.cfg.vocab_size, self.context_limit, self.detokenize is not None, self.limits)
 
     def submit(self, req: Request, sink: Sink) -> str:
         """Queues a request (thread-safe); returns its id. ValueError naming the field for a bad request, Closed
@@ -229,6 +245,12 @@ class Engine:
         seq.done = True
         if self._active.get(seq.slot) is seq:
             del self._active[seq.slot]
+            if self.paging:
+                self.paging.clear(seq.slot)
+        if self.paging:
+            self.paging.end(seq)
+            if self._group is not None and seq in self._group.seqs:
+                self._group.dirty = True  # a prefilling member's row must stop writing into its freed pages
         if self._group is not None and seq in self._group.seqs and not self._group.live():
             self._group = None
         self._intake.release(seq)
@@ -259,82 +281,15 @@ class Engine:
         if reset:
             self.programs.reset()
             self._tokens[:], self._drafts[:] = 0, 0
+            if self.paging:  # the pool was rebuilt: every slot's table is scratch again, no page is kept
+                self.paging.reset()
+                if self.prefix:
+                    self.prefix.clear()
 
     def _handle_ends(self) -> None:
         """Sends the ends recorded by `cancel` / `abort_all` (frees their slots)."""
         for seq, reason, error in self._intake.ends():
             self._finish(seq, reason, [], "", error)
-
-    def _plan(self, seq: Seq) -> list[int]:
-        return chunk_plan(len(seq.req.prompt) - seq.resumed, self.buckets, self.prefix.block if self.prefix else 0)
-
-    def _admit(self) -> None:
-        """Starts a group when none is prefilling and a slot is free: the oldest waiting request, and behind it
-        the requests with its chunk plan (glm53.serving.admit); a prefix-cache hit is prefilled alone."""
-        free = sorted(set(range(self.slots)) - set(self._active))
-        if self._group is not None or not free:
-            return
-        head = self._intake.take()
-        if head is None:
-            return
-        seqs, staging, h = [head], None, None
-        if self.prefix and self.prefix.match(head.req.prompt):
-            try:
-                head.resumed, staging, h = self.prefix.restore(head.req.prompt, self.programs.init(1))
-            except Exception as e:  # noqa: BLE001 - a failed program ends the requests it served only
-                return self._fail_shared("prefix cache restore", seqs, e)
-        plan = self._plan(head)
-        if not head.resumed and groupable(plan, self.prefill_batch_chunk):
-            while len(seqs) < min(len(free), self.prefill_widths[-1]):
-                seq = self._intake.take()
-                if seq is None:
-                    break
-                if (self.prefix and self.prefix.match(seq.req.prompt)) or self._plan(seq) != plan:
-                    self._intake.untake(seq)  # the next group's head
-                    break
-                seqs.append(seq)
-        if self.prefix:
-            self.stats["prefix_lookups"] += len(seqs) - bool(head.resumed)  # restore counted the hit's
-        w = width_for(len(seqs), self.prefill_widths)
-        for seq, slot in zip(seqs, free):
-            seq.slot = slot
-        try:
-            staging = self.programs.init(w) if staging is None else staging
-            h = self.programs.h0(w) if h is None else h
-        except Exception as e:  # noqa: BLE001
-            return self._fail_shared("prefill step", seqs, e)
-        self._group = Group(seqs, w, staging, plan, fed=head.resumed, h=h)
-        self.stats["prefill_groups"] += 1
-
-    def _prefill_chunk(self) -> None:
-        g = self._group
-        c = g.chunks.pop(0)
-        toks = np.zeros((g.width, c), np.int32)
-        for i, s in enumerate(g.seqs):
-            toks[i] = s.req.prompt[g.fed : g.fed + c]
-        try:  # the group's own staging cache: a failure ends the group only
-            logits, g.h, g.staging = self.programs.prefill(g.staging, toks, g.h)
-            hs = g.h if self.speculative else None
-            for i, s in enumerate(g.seqs if self.prefix else ()):
-                if not s.done:
-                    self.prefix.store(s.req.prompt, g.staging, g.fed, g.fed + c, hs, i)
-        except Exception as e:  # noqa: BLE001
-            self._group = None
-            return self._fail_shared("prefill step", g.live(), e)
-        g.fed += c
-        self.stats["prefill_tokens"] += c * len(g.live())
-        if g.chunks:
-            return
-        try:  # writes the shared cache (donated): a failure ends every request in a slot
-            toks = self._run_insert(g, logits)
-        except Exception as e:  # noqa: BLE001
-            self._group = None
-            return self._fail_shared("insert step", g.live() + list(self._active.values()), e, reset=True)
-        self._group = None
-        for s, tok in zip(g.seqs, toks):
-            if not s.done:
-                self._active[s.slot] = s
-                self._emit(s, tok)
 
     def _emit(self, seq: Seq, tok: int) -> None:
         """Records a sampled token and sends what may be sent; finishes the request on a stop. The request's own
@@ -374,6 +329,8 @@ class Engine:
                 continue
             seq = self._active.pop(top)
             self.programs.move(top, free)
+            if self.paging:  # the table moved with the rows; the old slot's goes back to scratch
+                self.paging.moved(top, free)
             self._tokens[free], self._drafts[free], seq.slot = self._tokens[top], self._drafts[top], free
             self._active[free] = seq
             self.stats["slot_moves"] += 1
@@ -384,6 +341,12 @@ class Engine:
                 self._compact()
         except Exception as e:  # noqa: BLE001
             return self._fail_shared("slot move", list(self._active.values()), e, reset=True)
+        if self.paging:  # pages for the positions this step writes; a stream that cannot grow ends "length"
+            for seq in self.paging.grow(self._active):
+                self.stats["finish_out_of_pages"] += 1
+                self._finish(seq, "length", [], seq.stop.flush())
+            if not self._active:
+                return
         b = width_for(max(self._active) + 1, self.decode_widths)  # the smallest width covering the busy slots
         self.stats[f"decode_width_{b}"] += 1
         seqs = [self._active.get(i) for i in range(b)]
@@ -396,6 +359,8 @@ class Engine:
                              and s.req.constraint is None for s in seqs])  # fmt: skip
         t0 = time.perf_counter()
         try:
+            if self.paging:  # tables changed since the last step: one upload
+                self.paging.upload(self.programs)
             args = sampling_args(seqs, b, self.cfg.vocab_size)
             out = self.programs.decode(self._tokens[:b], drafts, active, verify, mask, counts, args)  # to the host
         except Exception as e:  # noqa: BLE001

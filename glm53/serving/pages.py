@@ -1,10 +1,10 @@
-"""Paged caches, the host side (groundwork: the engine does not use it yet; docs/serving.md "Paged caches").
+"""Paged caches, the host side (docs/serving.md "Paged caches"; the device side is glm53.layers.dsa.DSACache).
 
 A `PagePool` owns `num_pages` pages of `page_tokens` cache rows each, shared by every stream; a `PageTable` is
 one stream's list of pages (its token t lives in row t % page_tokens of page pages[t // page_tokens]);
 `Admission` decides, by pages, whether a request starts now, waits or is refused, and tells a running stream
-that cannot grow to finish with "length". Pure Python + numpy: the device side (page-indexed cache arrays and
-the gathers that read a table) is not built.
+that cannot grow to finish with "length". Pure Python + numpy: the serving engine (glm53.serving.engine) keeps
+its slots' tables here and hands them to the programs as int32 rows (`as_array`).
 
 Layout over devices. Pages are split over `devices` in contiguous blocks: device d holds pages
 d * P/D .. (d+1) * P/D - 1 (P/D = `pages_per_device`), i.e. exactly the block device d gets of an array
@@ -199,6 +199,16 @@ class PageTable:
         self.length = tokens
         return copies
 
+    def adopt(self, pages: Sequence[int]) -> None:
+        """Makes this (empty) table start with `pages` (full pages another holder keeps, e.g. the prefix cache's:
+        shared, incref'd, read-only from then on)."""
+        if self._pages or self.length:
+            raise ValueError("adopt: the table must be empty (release it first)")
+        for p in pages:
+            self.pool.incref(p)
+        self._pages = list(pages)
+        self.length = len(self._pages) * self.pool.page_tokens
+
     def as_array(self, max_pages: int) -> np.ndarray:
         """int32 [max_pages]: the pages, then each entry i past them padded with scratch(i % devices) (valid
         indices on the right device; module docstring). ValueError when the table has more pages."""
@@ -247,29 +257,34 @@ class Admission:
                     out = [a + b for a, b in zip(out, t.needs(self._limit[k]))]
         return out
 
-    def _need(self, prompt: int, max_new: int) -> list[int]:
-        """Pages per device a request needs to start."""
-        return spread(0, self.pool.pages_for(prompt + (max_new if self.reserve else 1)), self.pool.devices)
+    def _need(self, prompt: int, max_new: int, shared: int = 0) -> list[int]:
+        """Pages per device a request needs to start (its first `shared` pages already held by another)."""
+        total = self.pool.pages_for(prompt + (max_new if self.reserve else 1))
+        return spread(min(shared, total), total, self.pool.devices)
 
-    def decide(self, prompt: int, max_new: int) -> str:
-        need = self._need(prompt, max_new)
-        if any(n > self.pool.pages_per_device - 1 for n in need):
+    def decide(self, prompt: int, max_new: int, shared: int = 0) -> str:
+        """ADMIT / WAIT / REJECT (class docstring); `shared`: its first pages are held already (a prefix)."""
+        if any(n > self.pool.pages_per_device - 1 for n in self._need(prompt, max_new)):
             return REJECT
-        return ADMIT if self.pool.fits(need, self._reserved()) else WAIT
+        return ADMIT if self.pool.fits(self._need(prompt, max_new, shared), self._reserved()) else WAIT
 
-    def start(self, key, prompt: int, max_new: int, share=None) -> tuple[PageTable, list[Copy]]:
-        """Pages for the request's prompt + 1 tokens (after `share`'s prefix, if given). OutOfPages (nothing
-        taken) when `decide` would not say ADMIT; ValueError on a key already running."""
+    def start(self, key, prompt: int, max_new: int, share=None, prefix_pages: Sequence[int] = ()
+              ) -> tuple[PageTable, list[Copy]]:  # fmt: skip
+        """Pages for the request's prompt + 1 tokens (after `share`'s prefix, or the full pages `prefix_pages`
+        another holder keeps, if given). OutOfPages (nothing taken) when `decide` would not say ADMIT;
+        ValueError on a key already running."""
         if key in self.tables:
             raise ValueError(f"Admission.start: {key!r} is already running")
-        if self.decide(prompt, max_new) != ADMIT:
+        if self.decide(prompt, max_new, len(prefix_pages)) != ADMIT:
             raise OutOfPages(
-                self._need(prompt, max_new),
+                self._need(prompt, max_new, len(prefix_pages)),
                 [f - r for f, r in zip(self.pool.free_per_device(), self._reserved())],
             )
         table, copies = PageTable(self.pool), []
         if share is not None:
             copies = table.share_prefix(self.tables[share[0]], share[1])
+        elif prefix_pages:
+            table.adopt(prefix_pages)
         try:
             table.ensure(prompt + 1)
         except OutOfPages:

@@ -17,6 +17,13 @@ each chunk (`chunk_plan(..., block=K)` below makes the chunks over whole blocks 
     kernels return the state at a chunk's end only, so a chunk of several blocks (a bucket that is a multiple of
     K) leaves a state at its end alone: larger buckets prefill faster, and resume points are that much coarser.
 
+Paged caches (`pages`, a glm53.serving.pages.PagePool; block = page_tokens): a block's rows ARE a page of the
+prompt's stream, so a block keeps that page (one more reference) instead of a copy of its rows, and a restore
+hands the matched blocks' pages to the new stream's table (shared: every holder only writes past the prefix)
+instead of writing rows into the staging cache; the state snapshots are as above. A shared system prompt then
+costs its pages once. A block's bytes are its page's (every DSA layer's rows of page_tokens positions), counted
+against the budget; `evict_one` frees pages when the engine's pool runs short.
+
 A lookup walks the prompt's block names from the first; it resumes after the deepest matched block that has a
 state (at most (L-1) // K blocks: one token at least is left to prefill, for the logits). The staging cache is
 rebuilt from the blocks' rows (one program writes one block at a traced offset) and that state, and the engine
@@ -89,7 +96,8 @@ class PrefixCache:
     prefix_lookups, prefix_hits, prefix_hit_tokens (prefill saved), prefix_evicted_blocks; `nbytes` / `blocks`
     are the held bytes and blocks. `jit` compiles the four programs (rows, state, put_rows, put_state)."""
 
-    def __init__(self, *, block: int, budget: int, kpool: int, with_mtp: bool, jit: Callable, stats):
+    def __init__(self, *, block: int, budget: int, kpool: int, with_mtp: bool, jit: Callable, stats, pages=None,
+                 page_bytes: int = 0):  # fmt: skip
         if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block % kpool:
             raise ValueError(f"prefix_block={block!r}: must be a positive multiple of index_kpool={kpool}")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
@@ -97,6 +105,10 @@ class PrefixCache:
                 f"prefix_cache_bytes={budget!r}: must be a positive integer (0 turns the cache off)"
             )
         self.block, self.budget, self.kpool, self.with_mtp = block, budget, kpool, with_mtp
+        if pages is not None and (pages.page_tokens != block or with_mtp):
+            raise ValueError(f"prefix cache on pages: prefix_block={block} must equal page_tokens="
+                             f"{pages.page_tokens}, without the MTP cache")  # fmt: skip
+        self.pages, self.page_bytes = pages, page_bytes
         self.stats = stats
         self.nbytes = 0
         self._blocks: collections.OrderedDict[bytes, _Block] = collections.OrderedDict()
@@ -169,13 +181,18 @@ class PrefixCache:
         self._put_rows = jit(put_rows, donate_argnums=(0,))
         self._put_state = jit(put_state, donate_argnums=(0,))
         self.programs = (self._rows, self._state, self._put_rows, self._put_state)
+        if pages is not None:  # blocks keep pages: the rows programs are not used
+            self.programs = (self._state, self._put_state)
 
     @property
     def blocks(self) -> int:
         return len(self._blocks)
 
     def clear(self) -> None:
-        """Drops every snapshot (the counters stay)."""
+        """Drops every snapshot (the counters stay; on pages, their references)."""
+        if self.pages is not None:
+            for b in self._blocks.values():
+                self.pages.decref(b.rows)
         self._blocks.clear()
         self.nbytes = 0
 
@@ -183,7 +200,10 @@ class PrefixCache:
         """Compiles the programs for a staging cache of this many rows (`h`: its hidden states [rows, 1, D] when
         states keep them): all four for one row (restores rebuild one-row staging caches), the two snapshot ones
         for more (a batched prefill's). Returns what to wait on; `staging` is donated."""
-        r, (s, _) = self._rows(staging, 0, 0), self._state(staging, h, 0)
+        s, _ = self._state(staging, h, 0)
+        if self.pages is not None:
+            return s if staging.length.shape[0] > 1 else self._put_state(staging, s, 0)
+        r = self._rows(staging, 0, 0)
         if staging.length.shape[0] > 1:
             return r, s
         return self._put_state(self._put_rows(staging, r, 0), s, 0)
@@ -204,28 +224,37 @@ class PrefixCache:
                 depth = len(chain)
         return chain, depth
 
-    def restore(self, prompt: Sequence[int], staging: Cache) -> tuple[int, Cache, jnp.ndarray | None]:
-        """(tokens resumed, the staging cache rebuilt to that point, the hidden state there or None). 0 tokens:
-        the staging cache is returned as is."""
+    def matched_pages(self, prompt: Sequence[int]) -> list[int]:
+        """Paged: the pages of the blocks a `restore` would resume (no side effect)."""
+        chain, depth = self._lookup(prompt)
+        return [self._blocks[n].rows for n in chain[:depth]]
+
+    def restore(self, prompt: Sequence[int], staging: Cache) -> tuple[int, Cache, jnp.ndarray | None, list[int]]:
+        """(tokens resumed, the staging cache rebuilt to that point, the hidden state there or None, and on pages
+        the matched blocks' pages for the stream's table: the caller takes its references). 0 tokens: the staging
+        cache is returned as is."""
         self.stats["prefix_lookups"] += 1
         chain, depth = self._lookup(prompt)
         if not depth:
-            return 0, staging, None
+            return 0, staging, None, []
         for name in chain:  # the matched chain is now the most recently used
             self._blocks.move_to_end(name)
-        for i, name in enumerate(chain[:depth]):
-            staging = self._put_rows(staging, self._blocks[name].rows, i * self.block)
+        if self.pages is None:
+            for i, name in enumerate(chain[:depth]):
+                staging = self._put_rows(staging, self._blocks[name].rows, i * self.block)
         kda, h = self._blocks[chain[depth - 1]].state
         n = depth * self.block
         self.stats["prefix_hits"] += 1
         self.stats["prefix_hit_tokens"] += n
-        return n, self._put_state(staging, kda, n), h
+        return n, self._put_state(staging, kda, n), h, self.matched_pages(prompt) if self.pages is not None else []
 
     # ------------------------------------------------------------------------------------------ store
-    def store(self, prompt: Sequence[int], staging: Cache, start: int, end: int, h=None, row: int = 0) -> None:
+    def store(self, prompt: Sequence[int], staging: Cache, start: int, end: int, h=None, row: int = 0,
+              table=None) -> None:  # fmt: skip
         """Snapshots the blocks that the chunk [start, end) completed (and the state at `end` when it is a
         boundary) from row `row` of `staging` (h: its hidden states [rows, 1, D] or None), whose length is `end`,
-        then evicts down to the budget."""
+        then evicts down to the budget. On pages, `table` is the stream's glm53.serving.pages.PageTable: a block
+        keeps its page."""
         k = self.block
         first, last = start // k, end // k  # the blocks ending in (start, end]
         names = block_names(prompt, k, last)
@@ -237,8 +266,13 @@ class PrefixCache:
             parent = names[i - 1] if i else None
             if parent is not None and parent not in self._blocks:
                 break  # the chain was cut by eviction: nothing deeper could be found
-            rows = self._rows(staging, i * k, row)
-            self._blocks[name] = _Block(parent, rows, nbytes=_nbytes(rows))
+            if self.pages is not None:
+                rows = table.pages[i]
+                self.pages.incref(rows)
+                self._blocks[name] = _Block(parent, rows, nbytes=self.page_bytes)
+            else:
+                rows = self._rows(staging, i * k, row)
+                self._blocks[name] = _Block(parent, rows, nbytes=_nbytes(rows))
             self.nbytes += self._blocks[name].nbytes
             if parent is not None:
                 self._blocks[parent].children += 1
@@ -253,15 +287,25 @@ class PrefixCache:
 
     def _evict(self) -> None:
         while self.nbytes > self.budget and self._blocks:
-            name = next(n for n, b in self._blocks.items() if b.children == 0)  # a chain's leaf: the LRU one
-            while name is not None:
-                b = self._blocks.pop(name)
-                self.nbytes -= b.nbytes
-                self.stats["prefix_evicted_blocks"] += 1
-                name = b.parent
-                if name is None:
-                    break
-                p = self._blocks[name]
-                p.children -= 1
-                if p.children or p.state is not None:
-                    break
+            self.evict_one()
+
+    def evict_one(self) -> bool:
+        """Evicts the least recently used leaf (and the ancestors it leaves without use); False when empty. On
+        pages, a block's page returns to the pool when no stream holds it."""
+        if not self._blocks:
+            return False
+        name = next(n for n, b in self._blocks.items() if b.children == 0)  # a chain's leaf: the LRU one
+        while name is not None:
+            b = self._blocks.pop(name)
+            self.nbytes -= b.nbytes
+            if self.pages is not None:
+                self.pages.decref(b.rows)
+            self.stats["prefix_evicted_blocks"] += 1
+            name = b.parent
+            if name is None:
+                break
+            p = self._blocks[name]
+            p.children -= 1
+            if p.children or p.state is not None:
+                break
+        return True

@@ -14,6 +14,11 @@ tail {kpool*floor((q+1)/kpool) .. q} follow. Every implementation accumulates in
 The latent cache may be stored as int8 with one f32 scale per cached row (`latent_scale_bs` [B, S]); every
 implementation dequantizes it and casts the rows to q's dtype before its f32 math.
 
+Paged caches: with `page_table_bm` int32 [B, M] the latent is a pool of pages [P, page_tokens, R] shared by all
+streams (scales [P, page_tokens]); stream b's position s is row s % page_tokens of page table[b, s // page_tokens],
+so each stream holds S = M * page_tokens positions. Every implementation takes it ("reference" reads each stream's
+pages whole, "gather" only the selected rows through the table); the result is the contiguous cache's.
+
 Implementations of `sparse_mla`: "reference" (masked dense attention over every cached row, the oracle),
 "gather" (`gather.py`: gathers the selected pools' rows only, O(index_topk) rows per query) and "auto": what
 `_AUTO` names for the backend ("gather" on every backend), except that a "gather" whose selection's rows
@@ -37,6 +42,7 @@ AUTO_BY_BACKEND = _AUTO  # public: what "auto" picks per backend (glm53.config.k
 IMPLEMENTATIONS = (dispatch.AUTO, *_MLA)  # the names `sparse_mla`'s `implementation=` takes
 
 selection_mask = reference.selection_mask
+paged_view = reference.paged_view
 
 
 def _check_selection(op: str, b: int, t: int, pool_ids_btk: jnp.ndarray, q_pos_bt: jnp.ndarray, kpool: int):
@@ -62,6 +68,7 @@ def sparse_mla(
     scale: float,
     select_tail: bool = True,
     latent_scale_bs: jnp.ndarray | None = None,
+    page_table_bm: jnp.ndarray | None = None,
     implementation: str = "reference",
 ) -> jnp.ndarray:
     """Absorbed sparse MLA: c_hat [B, T, H, R] = sum over selected keys s of softmax(scale * q_hat.c_s) c_s.
@@ -72,14 +79,21 @@ def sparse_mla(
         positions beyond a query's position are never read.
       pool_ids_btk, q_pos_bt, kpool, select_tail: the selection (module docstring).
       scale: softmax scale (1/sqrt(qk_nope_head_dim) for GLM-5.3, not 1/sqrt(R)).
+      page_table_bm: int32 [B, M] page ids (a paged latent [P, page_tokens, R]; module docstring), or None.
     """
     if q_bthr.ndim != 4 or latent_bsr.ndim != 3:
         raise ValueError(
             f"sparse_mla: need q [B,T,H,R] and latent [B,S,R], got {q_bthr.shape} / {latent_bsr.shape}"
         )
     b, t, _, r = q_bthr.shape
-    if latent_bsr.shape[0] != b or latent_bsr.shape[2] != r:
+    paged = page_table_bm is not None
+    if paged and (page_table_bm.ndim != 2 or page_table_bm.shape[0] != b
+                  or not jnp.issubdtype(page_table_bm.dtype, jnp.integer)):  # fmt: skip
+        raise ValueError(f"sparse_mla: page_table_bm must be integer [B={b}, M], got {page_table_bm.shape} "
+                         f"{page_table_bm.dtype}")  # fmt: skip
+    if (not paged and latent_bsr.shape[0] != b) or latent_bsr.shape[2] != r:
         raise ValueError(f"sparse_mla: latent {latent_bsr.shape} does not match queries {q_bthr.shape}")
+    num_keys = page_table_bm.shape[1] * latent_bsr.shape[1] if paged else latent_bsr.shape[1]
     _check_selection("sparse_mla", b, t, pool_ids_btk, q_pos_bt, kpool)
     int8 = latent_bsr.dtype == jnp.int8
     if int8 != (latent_scale_bs is not None):
@@ -93,10 +107,11 @@ def sparse_mla(
         )
     if not int8 and not jnp.issubdtype(latent_bsr.dtype, jnp.floating):
         raise ValueError(f"sparse_mla: the latent must be floating or int8, got {latent_bsr.dtype}")
-    kw = dict(kpool=kpool, scale=scale, select_tail=select_tail, latent_scale_bs=latent_scale_bs)
+    kw = dict(kpool=kpool, scale=scale, select_tail=select_tail, latent_scale_bs=latent_scale_bs,
+              page_table_bm=page_table_bm)  # fmt: skip
     auto = dict(_AUTO)
     backend = jax.default_backend()
-    if auto.get(backend) == "gather" and (pool_ids_btk.shape[2] + select_tail) * kpool >= latent_bsr.shape[1]:
+    if auto.get(backend) == "gather" and (pool_ids_btk.shape[2] + select_tail) * kpool >= num_keys:
         auto[backend] = "reference"  # the selection's rows are no fewer than the cache's: read the cache whole
     return dispatch.call(
         "sparse_mla", implementation, _MLA, auto, q_bthr, latent_bsr, pool_ids_btk, q_pos_bt, **kw

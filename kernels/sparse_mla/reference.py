@@ -79,6 +79,13 @@ def masked_attention(
     return o.astype(q_bthc.dtype)
 
 
+def paged_view(pool_p, page_table_bm: jnp.ndarray) -> jnp.ndarray:
+    """Each stream's rows in position order, [B, M * page_tokens, ...], of a page pool [P, page_tokens, ...]
+    read through the page table [B, M] (the whole logical cache: the dense paths' and the oracle's view)."""
+    b, m = page_table_bm.shape
+    return pool_p[page_table_bm].reshape(b, m * pool_p.shape[1], *pool_p.shape[2:])
+
+
 def sparse_mla(
     q_bthr: jnp.ndarray,
     latent_bsr: jnp.ndarray,
@@ -89,9 +96,14 @@ def sparse_mla(
     scale: float,
     select_tail: bool = True,
     latent_scale_bs: jnp.ndarray | None = None,
+    page_table_bm: jnp.ndarray | None = None,
 ) -> jnp.ndarray:
     """Absorbed-form sparse MLA: c_hat[b,t,h] = sum_s softmax_s(scale * q_hat.c_s) c_s over the selected keys.
-    An int8 latent (with `latent_scale_bs`) is dequantized whole, every row cast to q's dtype."""
+    An int8 latent (with `latent_scale_bs`) is dequantized whole, every row cast to q's dtype. A paged latent
+    (`page_table_bm`) is read whole through the table (`paged_view`)."""
+    if page_table_bm is not None:
+        latent_bsr = paged_view(latent_bsr, page_table_bm)
+        latent_scale_bs = None if latent_scale_bs is None else paged_view(latent_scale_bs, page_table_bm)
     latent_bsr = dequantize_rows(latent_bsr, latent_scale_bs, q_bthr.dtype)
     mask = selection_mask(
         pool_ids_btk, q_pos_bt, kpool=kpool, num_keys=latent_bsr.shape[1], select_tail=select_tail
