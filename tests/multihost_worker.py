@@ -68,9 +68,8 @@ def tp_run(weights: str) -> build.ShardedModel:
     return build.sharded_model(config, weights=weights, with_mtp=False)
 
 
-def tp_logits(weights: str) -> list[np.ndarray]:
-    """Logits of `SEQS` by the checkpoint `weights` on `TP_MESH` (every process gets them all)."""
-    run = tp_run(weights)
+def tp_logits(run: build.ShardedModel) -> list[np.ndarray]:
+    """Logits of `SEQS` by `run` (a `tp_run`; every process gets them all)."""
     logits, _ = scoring.score(run.model, SEQS)
     return logits
 
@@ -237,8 +236,9 @@ def main(argv):
     out = flags.FLAGS.out
     if flags.FLAGS.hf:
         sliced_loads(flags.FLAGS.hf, flags.FLAGS.gguf, flags.FLAGS.qckpt, out)
-    logits = tp_logits(flags.FLAGS.ckpt)
-    tokens = serve_tokens(tp_run(flags.FLAGS.ckpt))
+    run = tp_run(flags.FLAGS.ckpt)  # restored once: scored, then served (scoring leaves the model unchanged)
+    logits = tp_logits(run)
+    tokens = serve_tokens(run)
     state, losses = train(TRAIN_MESH)
     save_state(state, os.path.join(out, "state"))
     gathered = {f"state_{k}": distributed.to_host(x) for k, x in state_leaves(state).items()}

@@ -30,6 +30,7 @@ CONFIG = tiny.get_config("sharded")
 SEQS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [5, 9, 3]]
 PROMPT = [3, 17, 99, 4, 56, 8, 21, 77, 30, 2, 90, 11, 64]
 MAX_NEW = 8
+FAST = {"xla_backend_optimization_level": 0}  # the engines' compiles here (as the serving tests): same programs
 
 
 def rel(a, b) -> float:
@@ -38,7 +39,9 @@ def rel(a, b) -> float:
 
 
 def _run(module, *args):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    # XLA's backend optimization level 0: shorter compiles, the same programs (as the serving tests)
+    xla = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla)
     return subprocess.run(
         [sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )
@@ -53,7 +56,7 @@ def unsharded():
     """Logits, NLL and greedy tokens of the config's seeded random model on one device."""
     _, model = build.model_from_experiment_config(CONFIG)
     logits, nll = scoring.score(model, SEQS)
-    greedy = offline.generate(model, [PROMPT], SamplingParams(max_new=MAX_NEW))
+    greedy = offline.generate(model, [PROMPT], SamplingParams(max_new=MAX_NEW), compiler_options=FAST)
     return dict(logits=logits, nll=nll, greedy=greedy.tokens[0])
 
 
@@ -88,7 +91,8 @@ def test_config_without_a_mesh_section_runs_on_the_default_mesh(unsharded):
     assert len(kernel.sharding.device_set) == 8 and not kernel.sharding.is_fully_replicated
     logits, _ = scoring.score(run.model, SEQS)
     assert rel(logits[0], unsharded["logits"][0]) <= 1e-5
-    eng = offline.engine_for(run.model, [PROMPT], MAX_NEW, slots=2, mesh=run.mesh, rules=run.rules)
+    eng = offline.engine_for(run.model, [PROMPT], MAX_NEW, slots=2, mesh=run.mesh, rules=run.rules,
+                             compiler_options=FAST)  # fmt: skip
     want = S.cache_shardings(eng.cache, run.mesh, run.rules)
     for a, s in zip(jax.tree.leaves(eng.cache), jax.tree.leaves(want), strict=True):
         assert a.sharding.is_equivalent_to(s, a.ndim), (a.sharding, s)

@@ -69,10 +69,21 @@ EP_GGUF_CONFIG = textwrap.dedent("""
 PROCESS_TIMEOUT = 600  # a bound on a launch, not a timing assertion
 
 
+# The launched model runs compile at XLA's backend optimization level 0 (as the serving tests' engines and the
+# train steps' fast_compile do): shorter compiles; the programs, and so what is compared, are the same.
+FAST_ENV = {**os.environ,
+            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()}  # fmt: skip
+
+
 def _launch(*command: str, processes: int = 2, devices: int = 4, **kw) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "experiments.launch", f"--processes={processes}", f"--devices_per_process={devices}",
            "--", *command]  # fmt: skip
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=PROCESS_TIMEOUT, **kw)
+
+
+def _launch_fast(*command: str) -> subprocess.CompletedProcess:
+    """`_launch` (2 processes x 4 devices) of a command that compiles model programs, at optimization level 0."""
+    return _launch(*command, env=FAST_ENV)
 
 
 def _ok(out: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -107,7 +118,7 @@ def ep_gguf(tmp_path_factory):
 def ep_score(tmp_path_factory, ep_gguf):
     d = tmp_path_factory.mktemp("ep_score")
     (d / "tokens.json").write_text(json.dumps(W.SEQS))
-    out = _ok(_launch(sys.executable, "-m", "experiments.score", f"--config={ep_gguf[1]}", f"--weights={ep_gguf[0]}",
+    out = _ok(_launch_fast(sys.executable, "-m", "experiments.score", f"--config={ep_gguf[1]}", f"--weights={ep_gguf[0]}",
                       "--mtp=off", f"--tokens={d / 'tokens.json'}", f"--out={d / 'scores.npz'}"))  # fmt: skip
     return out, np.load(d / "scores.npz")
 
@@ -171,7 +182,7 @@ def test_checkpoint_of_two_processes_restores_in_one_on_another_mesh(converted):
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory, converted, ep_gguf):
     d = tmp_path_factory.mktemp("worker")
-    _ok(_launch(sys.executable, "tests/multihost_worker.py", f"--ckpt={converted['two']}", f"--out={d}",
+    _ok(_launch_fast(sys.executable, "tests/multihost_worker.py", f"--ckpt={converted['two']}", f"--out={d}",
                 f"--hf={converted['hf']}", f"--gguf={ep_gguf[0]}", f"--qckpt={ep_gguf[2]}"))  # fmt: skip
     return d, np.load(d / "results.npz"), json.loads((d / "devices.json").read_text())
 
