@@ -44,6 +44,7 @@ setup(
         "jinja2",  # chat templates (glm53/tokenizer.py)
         "gguf==0.19.0",
         "tqdm",
+        "packaging",  # the training corpus's installed packages (glm53/data/packages.py)
     ],
     extras_require={
         "test": TEST,

@@ -10,7 +10,7 @@ import pytest
 
 from configs import tiny
 from glm53.config import model_config_from_dict
-from glm53.data import bpe, corpus, packing, prepare
+from glm53.data import bpe, corpus, packages, packing, prepare
 from glm53.data.corpus import DataError
 from glm53.tokenizer import HFTokenizer, glm_chat_text
 
@@ -227,6 +227,54 @@ def test_prepare_builds_once_and_round_trips(fake_root, tmp_path):
     other = prepare.prepare_data(prepare.DataConfig(root=str(fake_root), fractions=(0.6, 0.2, 0.2), vocab_size=380),
                             tmp_path, log=logs.append)  # fmt: skip
     assert other["fingerprint"] != m["fingerprint"] and other["vocab_size"] <= 380
+
+
+def test_requirement_closure_is_what_a_distribution_installs():
+    import importlib.metadata as md
+
+    assert packages.requirement_closure("jinja2") == ["markupsafe"]  # Requires-Dist: MarkupSafe>=2.0
+    # glm53's own closure: its base requirements and theirs, not its extras (torch is a test extra)
+    deps = packages.requirement_closure("glm53")
+    assert {"jax", "jaxlib", "numpy", "flax", "jinja2", "markupsafe", "tokenizers"} <= set(deps)
+    assert "torch" not in deps and "pytest" not in deps and "glm53" not in deps
+    p = packages.package("MarkupSafe")
+    assert p.name == "markupsafe" and p.version == md.version("markupsafe")
+    assert [r for r, _ in p.files] == sorted(r for r in (str(f) for f in md.distribution("markupsafe").files)
+                                             if r.endswith(".py"))  # fmt: skip
+    with pytest.raises(DataError, match="data.requirements_of.*no-such-dist"):
+        packages.requirement_closure("no-such-dist")
+
+
+def test_packages_join_the_corpus_and_held_out_ones_stay_whole(fake_root, tmp_path):
+    cfg = prepare.DataConfig(root=str(fake_root), fractions=(0.6, 0.2, 0.2), vocab_size=400,
+                             requirements_of="jinja2", heldout=("MarkupSafe",))  # fmt: skip
+    c = prepare.corpus_of(cfg)
+    assert c.versions == {"markupsafe": packages.package("markupsafe").version}
+    ms = [f for f in c.files if f.startswith("pypi/markupsafe/")]
+    assert ms and all(os.path.isfile(c.path(f)) for f in ms) and c.source(ms[0]) == "markupsafe"
+    files = prepare.split_files(c, cfg)
+    assert files[corpus.HELDOUT] == tuple(ms)  # the whole package, nothing else
+    assert not any(f.startswith("pypi/") for s in corpus.SPLITS for f in files[s])
+    m = prepare.prepare_data(cfg, tmp_path, log=lambda _: None)
+    assert m["packages"] == c.versions and m["splits"]["heldout"]["files"] == len(ms)
+    assert m["splits"]["heldout"]["sources"] == {"markupsafe": {"files": len(ms),
+                                                                "tokens": m["splits"]["heldout"]["n_tokens"]}}  # fmt: skip
+    tok = bpe.load(tmp_path / "tokenizer")
+    toks, _ = packing.open_tokens(tmp_path / "heldout.bin")
+    assert tok.decode(list(map(int, toks)), skip_special_tokens=False) == "".join(c.read(f) + bpe.EOS for f in ms)
+    # a package that is not among the requirements cannot be held out; held-out packages need requirements_of
+    with pytest.raises(DataError, match=r"data.heldout.*\['numpy'\]"):
+        prepare.corpus_of(prepare.DataConfig(root=str(fake_root), requirements_of="jinja2", heldout=("numpy",)))
+    with pytest.raises(DataError, match="data.heldout"):
+        prepare.DataConfig(heldout=("jinja2",))
+
+
+def test_stdlib_files_come_first_in_every_split():
+    cfg = prepare.DataConfig(requirements_of="jinja2")
+    c = prepare.corpus_of(cfg)
+    for name, files in prepare.split_files(c, cfg).items():
+        src = [c.source(f) != "stdlib" for f in files]
+        assert src == sorted(src), name
 
 
 def test_data_config_errors_name_the_field():

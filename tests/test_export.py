@@ -79,7 +79,13 @@ def test_folder_and_card(run):
     )
     with open(os.path.join(out, "README.md")) as f:
         readme = f.read()
-    for s in (f"{ev['test']['ppl']:.2f}", f"{ev['unigram']['ppl']:.2f}", f"{ev['mtp']['acceptance']:.3f}",
+    t = ev["texts"]["test"]
+    assert t["model"] == ev["test"] and t["unigram"] == ev["unigram"] and set(ev["texts"]) == {"test"}  # stdlib only
+    # the unigram fitted to the scored targets is the best unigram for them: no worse than the train split's
+    assert t["self_unigram"]["tokens"] == t["unigram"]["tokens"]
+    assert t["self_unigram"]["nll"] <= t["unigram"]["nll"] + 1e-12
+    for s in (f"{ev['test']['ppl']:.2f}", f"{ev['unigram']['nll']:.4f}", f"{t['self_unigram']['nll']:.4f}",
+              f"{ev['test']['nll'] / t['self_unigram']['nll']:.3f}", f"{ev['mtp']['acceptance']:.3f}",
               "python -m experiments.train --config=<the config in run.json>", "python -m experiments.export"):  # fmt: skip
         assert s in readme, s
 

@@ -56,10 +56,12 @@ TOKENS = [int(t) for t in np.random.default_rng(0).integers(1, CFG.vocab_size, 4
 # (~1e-5) cannot flip a pool choice between implementations. (TOKENS has a 2.2e-4 near-tie at t=24, layer 3.)
 F32_TOKENS = [int(t) for t in np.random.default_rng(3).integers(1, CFG.vocab_size, 48)]
 MIN_MARGIN = 1e-3
+UD_DEVIATED = "UD-IQ3_XXS,3.down=IQ4_XS,7.gate=IQ3_S,7.up=IQ3_S,7.down=IQ4_XS"
 MIXES = {
-    # Unsloth's UD-IQ3_XXS scaled to 5 MoE layers (3..7: IQ2_S gate/up, IQ3_S down; IQ4_XS down in 3, 4, 7;
-    # IQ3_S gate/up in 7) + the MTP block (8) in K-quants, as the release has them there.
-    "UD-IQ3_XXS": "UD-IQ3_XXS,8.gate=Q4_K,8.up=Q4_K,8.down=Q5_K",
+    # Unsloth's UD-IQ3_XXS scaled to 5 MoE layers (3..7: IQ2_S gate/up, IQ3_S down) with the release's deviations
+    # placed by hand (IQ4_XS down in 3 and 7, IQ3_S gate/up in 7: at 5 layers the scaled table has none) + the MTP
+    # block (8) in K-quants, as the release has them there.
+    "UD-IQ3_XXS": f"{UD_DEVIATED},8.gate=Q4_K,8.up=Q4_K,8.down=Q5_K",
     "Q4_K": "Q4_K",
     "mixed": "gate=IQ3_XXS,up=Q3_K,down=Q6_K,4.gate=Q8_0,4.down=Q2_K,6.up=IQ4_NL,7.down=IQ3_S",
 }
@@ -260,7 +262,7 @@ def test_experts_kept_quantized(world, quantized):
     """With a QuantConfig the routed experts stay GGUF blocks (QuantizedExperts planes): their bytes are the
     file's (read by gguf-py); a file whose types differ from the config's is refused, naming each tensor."""
     path = quantized["UD-IQ3_XXS"]
-    quant = QuantConfig(experts="ud_iq3_xxs")  # the same scaled table; the MTP block stays dense
+    quant = QuantConfig(experts=UD_DEVIATED)  # the same table; the MTP block stays dense
     _, model, _ = gguf_ckpt.load_gguf_checkpoint(path, dtype=jnp.float32, quant=quant)
     raw = {t.name: np.asarray(t.data).reshape(-1) for t in GGUFReader(path).tensors}
     for i in range(3, 8):

@@ -307,6 +307,17 @@ def test_blocked_values_and_gradients(expert_case, block_rows):
     assert n_blocks == -(-ids.size // block_rows) + 16
 
 
+def test_blocked_default_block_rows():
+    """A quarter of the mean rows per expert, a power of two in [8, 128]."""
+    from kernels.moe import blocked
+
+    assert blocked.default_block_rows(4096 * 4, 32) == 128  # the mini's training step
+    assert blocked.default_block_rows(1024 * 4, 32) == 32
+    assert blocked.default_block_rows(3000, 32) == 16  # 23.4 -> 16
+    assert blocked.default_block_rows(48, 16) == 8 and blocked.default_block_rows(1, 288) == 8
+    assert blocked.default_block_rows(10**6, 8) == 128
+
+
 def test_moe_experts_few_slots_vs_f64_loop(expert_case):
     """T*K < E (decode): the reference gathers each slot's expert instead of ragged_dot; rows 2 and 5 hold the
     empty slot and the repeated expert."""

@@ -21,7 +21,7 @@ from glm53.quant import budget, ggml
 from glm53.quant import planes as P
 from glm53.quant.formats import GGUF_FORMATS
 from glm53.quant.layout import layout_format
-from glm53.quant.mixes import RELEASE_MOE_LAYERS, UD_IQ3_XXS, parse_mix, ud_iq3_xxs_mix
+from glm53.quant.mixes import RELEASE_MOE_LAYERS, UD_BASE, UD_IQ3_XXS, parse_mix, ud_iq3_xxs_mix
 from glm53.quant.qweight import QuantizedExperts, expert_formats
 
 REENCODABLE = ("IQ2_S", "IQ3_S")
@@ -147,11 +147,17 @@ def test_ud_mix_is_the_release_table_and_scales():
     # the rule is the identity on 42 layers wherever they sit
     shifted = ud_iq3_xxs_mix(range(42))
     assert {(i + 3, m): f for (i, m), f in shifted.items()} == UD_IQ3_XXS
-    # 5 MoE layers (tiny 8-layer configs): ordinals 8, 9, 41 of 42 -> 0, 1, 4
-    small = ud_iq3_xxs_mix([3, 4, 5, 6, 7])
-    assert [small[(i, "down")] for i in range(3, 8)] == ["IQ4_XS", "IQ4_XS", "IQ3_S", "IQ3_S", "IQ4_XS"]
-    assert [small[(i, "gate")] for i in range(3, 8)] == ["IQ2_S"] * 4 + ["IQ3_S"]
-    assert all(small[(i, "up")] == small[(i, "gate")] for i in range(3, 8))
+    # fewer layers: each takes the majority of the release layers its share of the depth stands for
+    small = ud_iq3_xxs_mix([3, 4, 5, 6, 7])  # 5 layers: 8-9 release layers each, at most one deviating
+    assert all(small[(i, m)] == UD_BASE[m] for i in range(3, 8) for m in UD_BASE)
+    # 21 layers: two release layers each; 8 + 9 (11 and 12: IQ4_XS down) -> 4; 40 + 41 (43, 44) -> 20, a tie
+    # that the larger format wins
+    mid = ud_iq3_xxs_mix(range(21))
+    assert [i for i in range(21) if mid[(i, "down")] == "IQ4_XS"] == [4, 20]
+    assert [i for i in range(21) if mid[(i, "gate")] == "IQ3_S"] == [20]
+    # more layers than the release: each takes its nearest release ordinal
+    big = ud_iq3_xxs_mix(range(84))
+    assert [i for i in range(84) if big[(i, "down")] == "IQ4_XS"] == [16, 17, 18, 19, 82, 83]
 
 
 def test_expert_formats_per_layer():

@@ -33,8 +33,8 @@ from glm53.config import ModelConfig, QuantConfig
 from glm53.config.fields import field_error, from_dict
 from glm53.config.kernels import KernelConfig
 from glm53.data import bpe
-from glm53.data.corpus import find_sources
-from glm53.data.prepare import DataConfig
+from glm53.data.corpus import Corpus
+from glm53.data.prepare import DataConfig, corpus_of, split_files
 from glm53.errors import ConfigError
 from glm53.files import atomic_write, write_json
 from glm53.progress import Progress
@@ -106,6 +106,21 @@ def read_tokens(path: str, cfg: ModelConfig) -> list[list[int]]:
     return seqs
 
 
+def split_sources(model_dir: str, split: str) -> tuple[Corpus, tuple[str, ...]]:
+    """(corpus, the files of `split`) of the corpus the model at `model_dir` was trained on: its card.json's data
+    config (root, exclusions, fractions, salt), else glm53's defaults (this Python's standard library, 0.9 / 0.05 /
+    0.05)."""
+    data = DataConfig()
+    card = os.path.join(model_dir, "card.json") if os.path.isdir(model_dir) else ""
+    if os.path.isfile(card):
+        with open(card) as f:
+            data = from_dict(
+                DataConfig, json.load(f).get("data", {}).get("config", {}), "card.json data config"
+            )
+    corpus = corpus_of(data)
+    return corpus, split_files(corpus, data)[split]
+
+
 def corpus_chunks(model_dir: str, split: str, n_ctx: int, n_chunks: int) -> list[list[int]]:
     """`n_chunks` chunks of `n_ctx` tokens of a split of the corpus the model was trained on (its card.json's
     data config, else glm53's defaults), documents joined by the end-of-text token, as in training."""
@@ -113,18 +128,11 @@ def corpus_chunks(model_dir: str, split: str, n_ctx: int, n_chunks: int) -> list
     if not os.path.isfile(tok_path):
         raise field_error("config.tokens", f"the base weights {model_dir} have no tokenizer.json: give "
                           "config.tokens=FILE (a JSON list of token-id lists)")  # fmt: skip
-    data = DataConfig()
-    card = os.path.join(model_dir, "card.json")
-    if os.path.isfile(card):
-        with open(card) as f:
-            data = from_dict(
-                DataConfig, json.load(f).get("data", {}).get("config", {}), "card.json data config"
-            )
     tok = Tokenizer.from_file(tok_path)
     eos = tok.token_to_id(bpe.EOS)
-    corpus = find_sources(data.root or None, data.exclude)
+    corpus, files = split_sources(model_dir, split)
     ids: list[int] = []
-    for rel in corpus.split(split, data.fraction_map(), data.salt):
+    for rel in files:
         ids += tok.encode(corpus.read(rel), add_special_tokens=False).ids + [eos]
         if len(ids) >= n_ctx * n_chunks:
             break
@@ -306,16 +314,10 @@ def _sweep(c, out, weights, cfg, chunks, todo: list[Variant], results: dict, log
         results["llama_cpp_base_max_abs_logit_diff"] = float(np.max(np.abs(base_ll - base)))
     imp = None
     if any(v.imatrix for v in todo):
-        path = c.imatrix or os.path.join(out, IMATRIX)
-        if not c.imatrix:
-            calib = (
-                corpus_chunks(weights, c.imatrix_split, c.n_ctx, c.imatrix_chunks) if not c.tokens else chunks
-            )
-            imx.write_imatrix(
-                path, imx.collect(base_model, calib, dataset=f"{c.imatrix_split or 'tokens'} split")
-            )
-        imp = imx.read_imatrix(path)
-        results["imatrix"] = os.path.basename(path) if not c.imatrix else c.imatrix
+        imp, results["imatrix"] = variant_imatrix(
+            base_model, weights, out, path=c.imatrix, split=c.imatrix_split, n_ctx=c.n_ctx,
+            n_chunks=c.imatrix_chunks, chunks=chunks if c.tokens else None,
+        )  # fmt: skip
     log(f"base model, logits and base.gguf: {time.time() - t0:.1f} s")
     # a tqdm bar over the variants on a terminal; elsewhere each variant's result line is its progress
     with Progress(len(todo), desc="ablate", unit="variant", lines=False) as bar:
@@ -332,16 +334,41 @@ def _sweep(c, out, weights, cfg, chunks, todo: list[Variant], results: dict, log
             bar.update(1)
 
 
-def _variant(c, out, cfg, params, chunks, v: Variant, base, base_ll, imp) -> dict:
+def variant_imatrix(
+    base_model, weights: str, out: str, *, path: str = "", split: str = "validation", n_ctx: int = 256,
+    n_chunks: int = 16, chunks: list[list[int]] | None = None,
+) -> tuple[dict, str]:
+    """(importance per expert tensor, what results.json names it) for the +imatrix variants: the imatrix GGUF at
+    `path`, else llama.cpp's importance matrix of `base_model` computed on `chunks` (None: `n_chunks` chunks of
+    `n_ctx` tokens of the weights' `split`, `corpus_chunks`) and written to out/imatrix.gguf."""
+    if not path:
+        calib = corpus_chunks(weights, split, n_ctx, n_chunks) if chunks is None else chunks
+        im = imx.collect(base_model, calib, dataset=f"{split or 'tokens'} split")
+        imx.write_imatrix(os.path.join(out, IMATRIX), im)
+    return imx.read_imatrix(path or os.path.join(out, IMATRIX)), path or IMATRIX
+
+
+def variant_model(out: str, cfg: ModelConfig, params, v: Variant, *, layout: str = "planes",
+                  kernels: KernelConfig | None = None, imp: dict | None = None) -> tuple[str, object, int]:
+    """(out/<variant>.gguf, the model, int8 matrices): the variant built as the sweep builds it. The base's
+    `params` (`layer_params`) are written with llama.cpp's quantizer on the routed experts (`imp`: the importance
+    of +imatrix variants), the GGUF loaded with the experts kept quantized (QuantConfig(v.mix, layout); `kernels`
+    None: every op "auto"), then the variant's latent cache layout (+latent_*) and int8 non-expert round trip
+    (+int8) applied."""
     path = os.path.join(out, v.file)
     write_gguf(path, cfg, params, dense_type=v.dense_type, experts=v.mix, imatrix=imp if v.imatrix else None)
-    nbytes, nweights = expert_bytes(v, cfg)
-    rel, rel_layers = weight_errors(path, params, cfg)
-    quant = QuantConfig(experts=v.mix, layout=c.layout)
-    _, model = build.load_model(path, dtype=jnp.float32, with_mtp=False, quant=quant, kernels=c.kernels)
+    quant = QuantConfig(experts=v.mix, layout=layout)
+    kernels = KernelConfig() if kernels is None else kernels
+    _, model = build.load_model(path, dtype=jnp.float32, with_mtp=False, quant=quant, kernels=kernels)
     if v.latent != "auto":  # +latent_*: a forward without a cache builds a fresh one of this layout, so scoring
         model.set_latent_cache_dtype(v.latent)  # attends over the stored latent
-    int8 = int8_non_experts(model) if v.int8 else 0
+    return path, model, int8_non_experts(model) if v.int8 else 0
+
+
+def _variant(c, out, cfg, params, chunks, v: Variant, base, base_ll, imp) -> dict:
+    path, model, int8 = variant_model(out, cfg, params, v, layout=c.layout, kernels=c.kernels, imp=imp)
+    nbytes, nweights = expert_bytes(v, cfg)
+    rel, rel_layers = weight_errors(path, params, cfg)
     ours = glm53_logits(model, chunks)
     del model
     r = {"name": v.name, "gguf": v.file, "bpw": 8 * nbytes / nweights, "expert_bytes": nbytes,

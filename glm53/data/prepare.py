@@ -19,7 +19,8 @@ from typing import Any
 
 from glm53.config.fields import from_dict
 from glm53.data import bpe
-from glm53.data.corpus import SPLITS, Corpus, DataError, check_fractions, find_sources
+from glm53.data.corpus import HELDOUT, SPLITS, Corpus, DataError, check_fractions, find_sources
+from glm53.data.packages import normalize, requirement_closure
 from glm53.data.packing import write_token_file
 from glm53.files import write_json
 
@@ -33,7 +34,9 @@ class DataConfig:
     root: corpus folder ("" = this Python's standard library, `glm53.data.corpus.stdlib_root`). exclude: folder
     names left out. fractions: (train, validation, test). salt: mixed into the split hash. vocab_size: BPE
     vocabulary including special tokens. min_frequency: of a merge. max_files: keep only the first N files of
-    each split in path order (0 = all; for quick runs).
+    each split in path order (0 = all; for quick runs). requirements_of: an installed distribution whose
+    requirements' pure-Python files join the corpus (`glm53.data.packages`; "glm53": what ``pip install -e .``
+    brings; "" = the root alone). heldout: packages among those kept whole in the split "heldout", never trained on.
     """
 
     root: str = ""
@@ -43,9 +46,14 @@ class DataConfig:
     vocab_size: int = 4096
     min_frequency: int = 2
     max_files: int = 0
+    requirements_of: str = ""
+    heldout: tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "exclude", tuple(self.exclude))
+        object.__setattr__(self, "heldout", tuple(normalize(h) for h in self.heldout))
+        if self.heldout and not self.requirements_of:
+            raise DataError("config field 'data.heldout': held-out packages need data.requirements_of")
         object.__setattr__(self, "fractions", tuple(self.fractions))
         if len(self.fractions) != len(SPLITS):
             raise DataError(f"config field 'data.fractions': need {len(SPLITS)} values {SPLITS}, "
@@ -57,17 +65,33 @@ class DataConfig:
     def fraction_map(self) -> dict[str, float]:
         return dict(zip(SPLITS, self.fractions))
 
+    def split_names(self) -> tuple[str, ...]:
+        return SPLITS + ((HELDOUT,) if self.heldout else ())
+
+
+def corpus_of(cfg: DataConfig) -> Corpus:
+    """The corpus a data config names: its root (default the standard library) and the packages of
+    `requirements_of`; DataError naming data.heldout when a held-out package is not among them."""
+    pkgs = tuple(requirement_closure(cfg.requirements_of)) if cfg.requirements_of else ()
+    missing = [h for h in cfg.heldout if h not in pkgs]
+    if missing:
+        raise DataError(f"config field 'data.heldout': {missing} are not among the installed requirements of "
+                        f"{cfg.requirements_of!r} ({', '.join(pkgs)})")  # fmt: skip
+    return find_sources(cfg.root or None, cfg.exclude, pkgs)
+
 
 def data_config_from_dict(d: Any) -> DataConfig:
     return from_dict(DataConfig, d, "data config")
 
 
 def split_files(corpus: Corpus, cfg: DataConfig) -> dict[str, tuple[str, ...]]:
+    """{split: files}; in each split the root's files (the standard library) come first, then the packages'."""
     out = {}
-    for name in SPLITS:
-        files = corpus.split(name, cfg.fraction_map(), cfg.salt)
+    for name in cfg.split_names():
+        files = corpus.split(name, cfg.fraction_map(), cfg.salt, cfg.heldout)
+        files = tuple(sorted(files, key=lambda f: (corpus.source(f) != "stdlib", f)))
         out[name] = files[: cfg.max_files] if cfg.max_files else files
-        if not out[name] and cfg.fraction_map()[name] > 0:
+        if not out[name] and cfg.fraction_map().get(name, 1.0) > 0:
             raise DataError(f"corpus root {corpus.root}: split {name!r} got no files; use a larger corpus "
                             "or change config field 'data.fractions'")  # fmt: skip
     return out
@@ -76,7 +100,7 @@ def split_files(corpus: Corpus, cfg: DataConfig) -> dict[str, tuple[str, ...]]:
 def fingerprint(corpus: Corpus, files: dict[str, tuple[str, ...]], cfg: DataConfig) -> str:
     """sha256 over the config and each kept file's path, size and mtime."""
     h = hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode())
-    for name in SPLITS:
+    for name in files:
         for rel in files[name]:
             st = os.stat(corpus.path(rel))
             h.update(f"{name}\0{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
@@ -98,7 +122,7 @@ def prepare_data(cfg: DataConfig, data_dir: str | os.PathLike, *, log=print) -> 
     """Builds `data_dir` (module docstring) unless its manifest already has this config's fingerprint; returns
     the manifest."""
     data_dir = os.fspath(data_dir)
-    corpus = find_sources(cfg.root or None, cfg.exclude)
+    corpus = corpus_of(cfg)
     files = split_files(corpus, cfg)
     fp = fingerprint(corpus, files, cfg)
     old = read_manifest(data_dir)
@@ -107,7 +131,7 @@ def prepare_data(cfg: DataConfig, data_dir: str | os.PathLike, *, log=print) -> 
     os.makedirs(data_dir, exist_ok=True)
     if old is not None:
         os.unlink(os.path.join(data_dir, MANIFEST))  # stale: nothing is "ready" until rebuilt
-    texts = {name: [corpus.read(rel) for rel in files[name]] for name in SPLITS}
+    texts = {name: [corpus.read(rel) for rel in files[name]] for name in files}
     log(f"data: {sum(map(len, files.values()))} files from {corpus.root} "
         f"({', '.join(f'{k} {len(v)}' for k, v in files.items())}); skipped {corpus.skipped_summary()}")  # fmt: skip
     tok = bpe.train_tokenizer(texts["train"], cfg.vocab_size, min_frequency=cfg.min_frequency)
@@ -115,16 +139,22 @@ def prepare_data(cfg: DataConfig, data_dir: str | os.PathLike, *, log=print) -> 
     eos = tok.token_to_id(bpe.EOS)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     splits = {}
-    for name in SPLITS:
-        docs = (e.ids for e in tok.encode_batch(texts[name], add_special_tokens=False))
+    for name in files:
+        docs = [e.ids for e in tok.encode_batch(texts[name], add_special_tokens=False)]
         meta = write_token_file(os.path.join(data_dir, f"{name}.bin"), docs, eos_id=eos, vocab_size=vocab)
-        splits[name] = dict(meta, files=len(files[name]), chars=sum(map(len, texts[name])))
+        sources: dict[str, dict[str, int]] = {}  # in file order: the root's files first (`split_files`)
+        for rel, ids in zip(files[name], docs):
+            s = sources.setdefault(corpus.source(rel), dict(files=0, tokens=0))
+            s["files"] += 1
+            s["tokens"] += len(ids) + 1
+        splits[name] = dict(meta, files=len(files[name]), chars=sum(map(len, texts[name])), sources=sources)
         log(f"data: {name}: {meta['n_docs']} files, {meta['n_tokens']} tokens")
     manifest = dict(
         fingerprint=fp,
         config=dataclasses.asdict(cfg),
         root=corpus.root,
         python=platform.python_version(),
+        packages=dict(sorted(corpus.versions.items())),
         vocab_size=vocab,
         eos_id=eos,
         stop_ids=list(bpe.stop_ids(tok)),

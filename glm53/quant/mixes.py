@@ -36,26 +36,38 @@ RELEASE_MOE_LAYERS = tuple(range(3, 45))
 UD_BASE = {"gate": "IQ2_S", "up": "IQ2_S", "down": "IQ3_S"}
 IQ4_XS_DOWN_LAYERS = (11, 12, 44)
 IQ3_S_GATE_UP_LAYER = 44
-_DOWN_ORDINALS = tuple(RELEASE_MOE_LAYERS.index(i) for i in IQ4_XS_DOWN_LAYERS)
-_GATE_UP_ORDINAL = RELEASE_MOE_LAYERS.index(IQ3_S_GATE_UP_LAYER)
 _OVERRIDE = re.compile(rf"(\d+)\.({'|'.join(MATRICES)})")  # a per-layer override key: "45.gate"
+
+
+def _release_format(i: int, matrix: str) -> str:
+    """The format of `matrix` in the release's MoE layer of ordinal i (0..41)."""
+    layer = RELEASE_MOE_LAYERS[i]
+    if matrix == "down":
+        return "IQ4_XS" if layer in IQ4_XS_DOWN_LAYERS else UD_BASE["down"]
+    return "IQ3_S" if layer == IQ3_S_GATE_UP_LAYER else UD_BASE[matrix]
 
 
 def ud_iq3_xxs_mix(moe_layers: Sequence[int]) -> dict[tuple[int, str], str]:
     """The UD-IQ3_XXS mix {(layer, matrix): format} for a model whose MoE layers are `moe_layers`.
 
-    Rule for n layers: gate/up IQ2_S and down IQ3_S, except that MoE ordinal j = floor(i * n / 42) gets the
-    release's deviation of ordinal i (i = 8, 9, 41: IQ4_XS down; i = 41: IQ3_S gate/up), so the deviations keep
-    their relative depth. For the release's 42 layers (3..44) the rule is the identity: `UD_IQ3_XXS`.
+    Rule for n layers: MoE ordinal j stands for the release's ordinals i with floor(i * n / 42) = j (its share of
+    the depth; with n > 42, for the one ordinal floor(j * 42 / n)) and takes, per matrix, the format most of them
+    have (a tie: the larger one). For the release's 42 layers (3..44) the rule is the identity (`UD_IQ3_XXS`); a
+    model of fewer layers keeps the release's base (IQ2_S gate/up, IQ3_S down) wherever the deviations are a
+    minority of the depth a layer stands for, as in the release, where they are 3 layers of 42.
     """
     layers = [int(x) for x in moe_layers]
     n, n_release = len(layers), len(RELEASE_MOE_LAYERS)
-    down = {layers[i * n // n_release] for i in _DOWN_ORDINALS} if n else set()
-    gate_up = {layers[_GATE_UP_ORDINAL * n // n_release]} if n else set()
+    size = {"IQ2_S": 0, "IQ3_S": 1, "IQ4_XS": 2}
     mix = {}
-    for layer in layers:
-        mix[(layer, "gate")] = mix[(layer, "up")] = "IQ3_S" if layer in gate_up else UD_BASE["gate"]
-        mix[(layer, "down")] = "IQ4_XS" if layer in down else UD_BASE["down"]
+    for j, layer in enumerate(layers):
+        covered = [i for i in range(n_release) if i * n // n_release == j] or [j * n_release // n]
+        for m in MATRICES:
+            votes: dict[str, int] = {}
+            for i in covered:
+                f = _release_format(i, m)
+                votes[f] = votes.get(f, 0) + 1
+            mix[(layer, m)] = max(votes, key=lambda f: (votes[f], size[f]))
     return mix
 
 

@@ -9,7 +9,12 @@ Every number comes from the run's files or is measured here on the exported weig
     logged train loss and the last validation evaluation;
   * `window_nll`: held-out perplexity as the loop's evaluation counts it: the split cut into ``seq_len``-token
     windows (window w = tokens [w L, (w + 1) L)), L - 1 next-token predictions per window, full windows only;
-  * `unigram`: the same targets under a unigram model of the train split (add-one smoothing): the baseline;
+  * `unigram`: the same targets under a unigram model of the train split (add-one smoothing), and `self_unigram`:
+    under the unigram fitted to those targets themselves (their own token frequencies: the best any unigram does on
+    them, the baselines of the held-out packages and of the standard library's test files);
+  * the text scored: the test split (files never trained on, from the trained sources), its standard-library part
+    (the split's first files: `glm53.data.prepare.split_files`), and the held-out split (whole packages never
+    trained on) when the corpus has one;
   * `mtp_acceptance`: greedy speculative decoding with the MTP draft (the serving engine's, one slot:
     `glm53.serving.offline`) on prompts cut from the held-out split; acceptance = accepted drafts / drafts.
 """
@@ -32,7 +37,7 @@ from glm53.model import Glm53Model
 from glm53.runtime.sampling import SamplingParams
 from glm53.serving import offline
 
-CARD_VERSION = 1
+CARD_VERSION = 2
 
 
 # ------------------------------------------------------------------------------------------------ run files
@@ -71,11 +76,16 @@ def elapsed_s(workdir: str) -> float:
 
 def data_summary(manifest: dict) -> dict:
     splits = {
-        k: dict(files=v["files"], tokens=v["n_tokens"], chars=v["chars"])
+        k: dict(files=v["files"], tokens=v["n_tokens"], chars=v["chars"], sources=v.get("sources"))
         for k, v in manifest["splits"].items()
     }
-    return dict(corpus=f"the Python {manifest.get('python', '')} standard library's .py files", root=manifest.get("root"),
-                splits=splits, config=manifest.get("config"))  # fmt: skip
+    packages = manifest.get("packages") or {}
+    corpus = f"the Python {manifest.get('python', '')} standard library's .py files"
+    if packages:
+        corpus += (f" and those of the {len(packages)} packages `pip install -e .` brings "
+                   f"({(manifest.get('config') or {}).get('requirements_of')!r}'s requirements)")  # fmt: skip
+    return dict(corpus=corpus, root=manifest.get("root"), splits=splits, config=manifest.get("config"),
+                packages=packages, heldout=(manifest.get("config") or {}).get("heldout") or [])  # fmt: skip
 
 
 def tokenizer_summary(tokenizer_dir: str, manifest: dict) -> dict:
@@ -171,6 +181,14 @@ def unigram(train_tokens: np.ndarray, windows: np.ndarray, vocab_size: int) -> d
     return dict(tokens=int(targets.size), nll=nll, ppl=math.exp(nll))
 
 
+def self_unigram(windows: np.ndarray) -> dict:
+    """The windows' next-token targets under the unigram fitted to them: p(t) = count(t) / N. {tokens, nll, ppl}."""
+    targets = windows[:, 1:].reshape(-1).astype(np.int64)
+    counts = np.bincount(targets).astype(np.float64)
+    nll = float(-np.mean(np.log(counts[targets] / targets.size)))
+    return dict(tokens=int(targets.size), nll=nll, ppl=math.exp(nll))
+
+
 def mtp_acceptance(
     model: Glm53Model, tokens: np.ndarray, *, prompts: int = 8, prompt_len: int = 64, max_new: int = 32
 ) -> dict:
@@ -204,13 +222,29 @@ def evaluate(
     max_new: int = 32,
     batch: int = 8,
 ) -> dict:
-    """Test-split perplexity, the unigram baseline and the MTP acceptance (module docstring)."""
+    """Perplexity of the test split, its standard-library part and the held-out packages against the unigram
+    baselines, and the MTP acceptance (module docstring)."""
     test, meta = open_tokens(os.path.join(data_dir, "test.bin"))
     train, _ = open_tokens(os.path.join(data_dir, "train.bin"))
-    windows = eval_windows(test, seq_len, max_tokens)
-    return dict(split="test", seq_len=seq_len, test=window_nll(model, windows, batch=batch),
-                unigram=unigram(train, windows, int(meta["vocab_size"])),
-                mtp=mtp_acceptance(model, test, prompts=prompts, prompt_len=prompt_len, max_new=max_new))  # fmt: skip
+    texts = {"test": test}
+    manifest_path = os.path.join(data_dir, "manifest.json")
+    sources = {}
+    if os.path.exists(manifest_path):
+        with open(manifest_path, encoding="utf-8") as f:
+            manifest = json.load(f)
+        sources = manifest["splits"]["test"].get("sources") or {}
+        if "heldout" in manifest["splits"]:
+            texts["heldout"], _ = open_tokens(os.path.join(data_dir, "heldout.bin"))
+    if sources and set(sources) != {"stdlib"} and sources.get("stdlib", {}).get("tokens", 0) >= seq_len:
+        texts["test_stdlib"] = test[: sources["stdlib"]["tokens"]]  # the split's first files (split_files)
+    scored = {}
+    for name, tokens in texts.items():
+        windows = eval_windows(tokens, seq_len, max_tokens)
+        scored[name] = dict(model=window_nll(model, windows, batch=batch), self_unigram=self_unigram(windows),
+                            unigram=unigram(train, windows, int(meta["vocab_size"])))  # fmt: skip
+    return dict(split="test", seq_len=seq_len, test=scored["test"]["model"], unigram=scored["test"]["unigram"],
+                texts=scored, mtp=mtp_acceptance(model, test, prompts=prompts, prompt_len=prompt_len,
+                                                 max_new=max_new))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ README
@@ -223,6 +257,25 @@ def _hms(s: float) -> str:
         return "n/a"
     s = int(round(s))
     return f"{s // 3600}h {s % 3600 // 60:02d}m {s % 60:02d}s" if s >= 3600 else f"{s // 60}m {s % 60:02d}s"
+
+
+TEXTS = {"heldout": "held-out packages (never trained on)", "test": "test split (unseen files)",
+         "test_stdlib": "test split, standard library only"}  # fmt: skip
+
+
+def _eval_table(ev: dict, test: dict, uni: dict) -> list[str]:
+    """The evaluation table: NLL per text against the unigram fitted to that text and the train split's."""
+    if "texts" not in ev:  # a version-1 card: the test split alone
+        return ["| held-out test split | tokens scored | NLL (nats) | perplexity |", "|---|---|---|---|",
+                f"| this model | {test['tokens']:,} | {test['nll']:.4f} | {test['ppl']:.2f} |",
+                f"| unigram of the train split (add-one) | {uni['tokens']:,} | {uni['nll']:.4f} | {uni['ppl']:.2f} |"]  # fmt: skip
+    rows = ["| text | tokens scored | NLL (nats) | perplexity | its own unigram NLL | ratio | train-split unigram NLL |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name in sorted(ev["texts"], key=list(TEXTS).index):
+        m, su, u = (ev["texts"][name][k] for k in ("model", "self_unigram", "unigram"))
+        rows.append(f"| {TEXTS[name]} | {m['tokens']:,} | **{m['nll']:.4f}** | {m['ppl']:.2f} | {su['nll']:.4f} | "
+                    f"**{m['nll'] / su['nll']:.3f}** | {u['nll']:.4f} |")  # fmt: skip
+    return rows
 
 
 def render(card: dict) -> str:
@@ -238,6 +291,7 @@ def render(card: dict) -> str:
     rows = "\n".join(
         f"| {k} | {v['files']} | {v['tokens']:,} | {v['chars']:,} |" for k, v in d["splits"].items()
     )
+    pkgs = ", ".join(f"{k} {v}" for k, v in (d.get("packages") or {}).items())
     moe = (f"{a['routed_experts']} routed experts of width {a['expert_width']}, top-{a['top_k']}, "
            f"{a['shared_experts']} shared, in layers {a['moe_layers']}") if a["moe_layers"] else "no MoE layers"  # fmt: skip
     acc = fmt(mtp.get("acceptance"), ".3f")
@@ -274,7 +328,9 @@ def render(card: dict) -> str:
         "",
         "## Data and tokenizer",
         "",
-        f"Corpus: {d['corpus']}, split by file.",
+        f"Corpus: {d['corpus']}, split by file"
+        + (f"; held out whole (split `heldout`): {', '.join(d['heldout'])}." if d.get("heldout") else "."),
+        *(["", f"Packages (versions as trained): {pkgs}."] if pkgs else []),
         "",
         "| split | files | tokens | characters |",
         "|---|---|---|---|",
@@ -297,10 +353,7 @@ def render(card: dict) -> str:
         "",
         "## Evaluation (the exported weights, read back by glm53's HF loader, float32 compute)",
         "",
-        "| held-out test split | tokens scored | NLL (nats) | perplexity |",
-        "|---|---|---|---|",
-        f"| this model | {test['tokens']:,} | {test['nll']:.4f} | {test['ppl']:.2f} |",
-        f"| unigram of the train split (add-one) | {uni['tokens']:,} | {uni['nll']:.4f} | {uni['ppl']:.2f} |",
+        *_eval_table(ev, test, uni),
         "",
         f"Windows of {ev['seq_len']} tokens, {ev['seq_len'] - 1} predictions each, as the training loop's evaluation.",
         "",

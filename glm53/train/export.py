@@ -20,8 +20,7 @@ from flax import nnx
 
 from glm53.checkpoint.hf import load_hf_model
 from glm53.checkpoint.hf_export import staged_folder, write_hf_files
-from glm53.data.corpus import find_sources
-from glm53.data.prepare import data_config_from_dict, fingerprint, read_manifest, split_files
+from glm53.data.prepare import corpus_of, data_config_from_dict, fingerprint, read_manifest, split_files
 from glm53.errors import ConfigError
 from glm53.files import atomic_write, write_json
 from glm53.train import card, plot
@@ -55,7 +54,7 @@ def check_data(workdir: str, config) -> dict:
     if manifest is None:
         raise ConfigError(f"{data_dir}: no manifest.json; the run's data is missing")
     dc = data_config_from_dict(config.data)
-    corpus = find_sources(dc.root or None, dc.exclude)
+    corpus = corpus_of(dc)
     if fingerprint(corpus, split_files(corpus, dc), dc) != manifest.get("fingerprint"):
         raise ConfigError(f"{data_dir}: the corpus ({corpus.root}) differs from the one the run was prepared from; "
                           "export on the machine (and Python) that trained the run")  # fmt: skip

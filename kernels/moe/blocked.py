@@ -25,7 +25,15 @@ from kernels.moe import routing
 from kernels.moe.reference import clamped_swiglu
 
 _HIGHEST = lax.Precision.HIGHEST
-DEFAULT_BLOCK_ROWS = 64
+
+
+def default_block_rows(n_slots: int, n_experts: int) -> int:
+    """Rows per block: a quarter of the mean rows per expert, as a power of two in [8, 128] (at most 1/4 of a block
+    of padding per expert on average, blocks as large as that allows). At a training step of 4096 tokens x top-4
+    of 32 experts that is 128: forward + backward of one layer took 1.0 s instead of 2.1 s with 64-row blocks
+    (fewer blocks: fewer per-block weight copies and weight-gradient sums) and 1.2 s with 256 (more padding)."""
+    quarter = max(n_slots // max(4 * n_experts, 1), 1)
+    return int(min(max(1 << (quarter.bit_length() - 1), 8), 128))
 
 
 def block_layout(topk_ids_tk: jax.Array, n_experts: int, block_rows: int):
@@ -59,9 +67,10 @@ def moe_experts_blocked(
     w_down,
     swiglu_limit: float,
     *,
-    block_rows: int = DEFAULT_BLOCK_ROWS,
+    block_rows: int | None = None,
 ) -> jnp.ndarray:
-    """sum_k w[t,k] * Expert_{ids[t,k]}(x[t]) as a blocked grouped matmul (module docstring); [T, D] in x's dtype."""
+    """sum_k w[t,k] * Expert_{ids[t,k]}(x[t]) as a blocked grouped matmul (module docstring); [T, D] in x's dtype.
+    `block_rows`: rows per block (None: `default_block_rows`)."""
     ws = (w_gate, w_up, w_down)
     if any(isinstance(w, QuantizedExperts) for w in ws):
         raise NotImplementedError(
@@ -69,6 +78,7 @@ def moe_experts_blocked(
         )
     t, k = topk_ids_tk.shape
     e, d = w_gate.shape[0], x_td.shape[1]
+    block_rows = block_rows or default_block_rows(t * k, e)
     dest, order, block_expert, n_blocks = block_layout(topk_ids_tk, e, block_rows)
     bex = jnp.minimum(block_expert, e - 1)  # unused blocks hold zero rows: any expert will do
     tok = (order // k).astype(jnp.int32)
