@@ -5,12 +5,13 @@ Variants:
          for tests and smoke runs
   small  a first real run on the whole standard library: 4096-token BPE, hidden 256, 8 layers (DSA at 3, 7),
          32 experts top-4 of width 256, a shared expert, an MTP layer
-  mini   the shipped model (glm53/assets/mini), the release in miniature: 4 layers (KDA in 0-2, DSA in 3: the
+  mini   the next shipped model (glm53/assets/mini still holds mini_v1's run until this one is trained), the release
+         in miniature: 4 layers (KDA in 0-2, DSA in 3: the
          release's 3:1), a dense MLP in layer 0 and MoE (32 routed experts of width 256, top-4, a shared expert) in
          layers 1-3 and the MTP block, hidden 256, 4096-token BPE; trained on the standard library and the
          pure-Python files of the packages ``pip install -e .`` brings, the packages click, jinja2, markupsafe and
          requests held out whole; 8 x 512 tokens per step (the indexer keeps 16 of 128 pools)
-  mini_v1 the model shipped before (2026-12-02): 8 layers, dense MLPs in 0-6, MoE in 7 only; the standard library
+  mini_v1 the shipped model (2026-12-02; its card's command says ``:mini``, the recipe's name then): 8 layers, dense MLPs in 0-6, MoE in 7 only; the standard library
          alone, 560 steps of 8 x 256 tokens
 
 Sections: ``model`` (glm53.config.ModelConfig fields; vocab_size must equal the trained tokenizer's),

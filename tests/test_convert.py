@@ -285,7 +285,7 @@ def test_convert_and_score_cli(world, tmp_path):
 
 
 def test_ud_mix_reencoded_layout_round_trip(tmp_path):
-    """UD-IQ3_XXS experts (IQ2_S / IQ3_S / IQ4_XS; 256-wide blocks: the `gguf` tiny variant) converted with
+    """UD-IQ3_XXS experts (IQ2_S / IQ3_S at 5 MoE layers; 256-wide blocks: the `gguf` tiny variant) converted with
     --quant_layout=reencoded: the mix is recognized as "ud_iq3_xxs" (MTP experts dense, decoded from the GGUF) and
     the restored parameters equal load_hybrid's with the same QuantConfig, leaf by leaf."""
     cfg = model_config_from_dict(tiny.model_config("gguf"))

@@ -110,7 +110,8 @@ def test_release_width_model_decode_compiles_for_v5e_8():
         indexer_types=["full"] * 2,
     )
     cfg = model_config_from_dict(d)
-    quant = QuantConfig(experts="ud_iq3_xxs", layout="planes")
+    # the release's deviations placed by hand (scaled to 2 layers, the mix is IQ2_S / IQ3_S alone)
+    quant = QuantConfig(experts="ud_iq3_xxs,0.down=IQ4_XS,1.gate=IQ3_S,1.up=IQ3_S,1.down=IQ4_XS", layout="planes")
     mesh = tpu.topology_mesh("v5e:2x4", (1, 8), ("data", "model"))
 
     def build():

@@ -134,6 +134,7 @@ def test_misspelled_config_key_is_one_usage_line(module, tmp_path):
          "config field 'kernels.moe': unknown implementation 'nope'"),
         ("experiments.generate", ["--config=tiny:nope", "--prompt=x"], "unknown variant 'nope'"),
         ("experiments.train", ["--config=tiny", "--workdir=w"], "not a training config"),
+        ("experiments.bench_train", ["--configs=train:nope"], "--configs: unknown ['train:nope']"),
         ("experiments.generate", ["--prompt=x", "--no_such_flag=1"], "no_such_flag"),
         ("experiments.launch", ["-m", "experiments.generate"], "the command to launch goes after --"),
         ("experiments.launch", ["--processes=x", "--", "python", "-c", "1"], "--processes=x"),
