@@ -33,6 +33,7 @@ from glm53.config import QuantConfig, model_config_from_dict
 from glm53.errors import CheckpointError
 from glm53.layers.param import path_str
 from glm53.quant.int8 import Int8Weight
+from glm53.quant.mixes import ud_iq3_xxs_mix
 from glm53.quant.qweight import QuantizedExperts
 
 CFG = model_config_from_dict(tiny.model_config("sharded")).replace(moe_intermediate_size=128)
@@ -296,13 +297,17 @@ def test_ud_mix_reencoded_layout_round_trip(tmp_path):
     gguf_write.quantize_experts(f32, q, "UD-IQ3_XXS")
     ckpt = convert(hf, str(tmp_path / "ckpt"), gguf=[q], dtype="bf16", layout="reencoded", progress=False)
     meta = orbax_ckpt.read_metadata(ckpt)
-    assert meta["quant"]["experts"] == "ud_iq3_xxs" and meta["quant"]["layout"] == "reencoded"
+    # at 5 MoE layers the scaled UD table is IQ2_S / IQ2_S / IQ3_S throughout: the same mix as the per-matrix spec
+    moe = [i for i, t in enumerate(cfg.mlp_layer_types) if t == "moe"]
+    assert QuantConfig(experts=meta["quant"]["experts"]).mix.formats(moe) == ud_iq3_xxs_mix(moe)
+    assert meta["quant"]["layout"] == "reencoded"
     kinds = {e["path"]: (e["kind"], e.get("planes_format")) for e in meta["manifest"]}
-    assert kinds["mtp.mlp.experts.gate_proj"] == ("array", None)
+    # the MTP experts follow the recognized mix: a per-matrix mix covers them (kept quantized), the UD table not
+    assert kinds["mtp.mlp.experts.gate_proj"][0] == ("array" if meta["quant"]["experts"] == "ud_iq3_xxs" else "quantized")
     assert kinds["layers.3.mlp.experts.gate_proj"][0] == "quantized"
     assert kinds["layers.3.mlp.experts.gate_proj"][1] != "IQ2_S"  # the gather-free re-encoding
     _, ref = gguf_ckpt.load_hybrid(
-        hf, q, dtype=jnp.bfloat16, quant=QuantConfig(experts="ud_iq3_xxs", layout="reencoded")
+        hf, q, dtype=jnp.bfloat16, quant=QuantConfig(experts=meta["quant"]["experts"], layout="reencoded")
     )
     got, want = flat_leaves(orbax_ckpt.restore_model(ckpt)), flat_leaves(ref)
     assert got.keys() == want.keys()

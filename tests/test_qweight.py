@@ -172,7 +172,7 @@ def test_expert_formats_per_layer():
     mixed = QuantConfig(experts="gate=IQ4_XS,up=Q8_0,down=BF16")
     assert expert_formats(mixed, cfg, 5) == {"gate": "IQ4_XS", "up": "Q8_0", "down": "BF16"}
     ud = QuantConfig(experts="ud_iq3_xxs")
-    assert expert_formats(ud, cfg, 7) == {"gate": "IQ3_S", "up": "IQ3_S", "down": "IQ4_XS"}
+    assert expert_formats(ud, cfg, 7) == {"gate": "IQ2_S", "up": "IQ2_S", "down": "IQ3_S"}  # 5 layers: no deviation
     assert expert_formats(ud, cfg, 5) == {"gate": "IQ2_S", "up": "IQ2_S", "down": "IQ3_S"}
     assert expert_formats(ud, cfg, None) is None  # MTP: not in the UD table
     with pytest.raises(ValueError, match="not a MoE layer"):
@@ -182,7 +182,7 @@ def test_expert_formats_per_layer():
     assert expert_formats(over, cfg, 5) == {"gate": "Q4_K", "up": "Q4_K", "down": "Q8_0"}
     assert expert_formats(over, cfg, None) == {"gate": "IQ4_XS", "up": "Q4_K", "down": "Q4_K"}
     ud_over = QuantConfig(experts="ud_iq3_xxs,7.down=Q8_0")
-    assert expert_formats(ud_over, cfg, 7) == {"gate": "IQ3_S", "up": "IQ3_S", "down": "Q8_0"}
+    assert expert_formats(ud_over, cfg, 7) == {"gate": "IQ2_S", "up": "IQ2_S", "down": "Q8_0"}
 
 
 def test_mix_spellings_parse_to_one_value():
