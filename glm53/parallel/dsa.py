@@ -33,6 +33,7 @@ before the shard_map.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,14 @@ from glm53.parallel import rules as S
 from glm53.quant.int8 import quantize_rows
 from kernels.sparse_mla import gather
 
+
+def _merge_partials(m, l, o, dtype, *, axis):
+    """The attention of the whole sequence from each device's partial softmax (running max m, sum l, output o)
+    over mesh `axis`: rescale to the global max, sum, normalize."""
+    mx = jax.lax.pmax(m, axis)
+    f = jnp.where(jnp.isfinite(m), jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0)), 0.0)
+    big_l, big_o = jax.lax.psum((l * f, o * f), axis)
+    return (big_o / jnp.where(big_l > 0, big_l, 1.0)).astype(dtype)
 
 def write_local(cache_bsx: jnp.ndarray, new_btx: jnp.ndarray, start_b: jnp.ndarray) -> jnp.ndarray:
     """Writes new rows at local rows start_b[b] + t of each stream; rows outside this shard are dropped.
@@ -124,11 +133,7 @@ class SeqShardedCache:
                 top, pos = jax.lax.top_k(s_all, num_select)
                 ids = jnp.where(jnp.isneginf(top), -1, jnp.take_along_axis(id_all, pos, axis=-1))
 
-            def finish(m, l, o, dtype):
-                mx = jax.lax.pmax(m, seq)
-                f = jnp.where(jnp.isfinite(m), jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0)), 0.0)
-                big_l, big_o = jax.lax.psum((l * f, o * f), seq)
-                return (big_o / jnp.where(big_l > 0, big_l, 1.0)).astype(dtype)
+            finish = functools.partial(_merge_partials, axis=seq)
 
             c_hat = gather.sparse_mla(
                 q, latent, ids, q_pos, kpool=kpool, scale=scale, select_tail=select_tail,
@@ -196,11 +201,7 @@ class SeqShardedCache:
                 top, gid = -neg[..., :num_select], gid[..., :num_select]
                 ids = jnp.where(jnp.isneginf(top), -1, gid)
 
-            def finish(m, l, o, dtype):
-                mx = jax.lax.pmax(m, seq)
-                f = jnp.where(jnp.isfinite(m), jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0)), 0.0)
-                big_l, big_o = jax.lax.psum((l * f, o * f), seq)
-                return (big_o / jnp.where(big_l > 0, big_l, 1.0)).astype(dtype)
+            finish = functools.partial(_merge_partials, axis=seq)
 
             c_hat = gather.sparse_mla(
                 q, latent, ids, q_pos, kpool=kpool, scale=scale, select_tail=select_tail,
