@@ -5,6 +5,7 @@ from setuptools import find_packages, setup
 TEST = [
     "pytest>=8",
     "pytest-xdist",  # the README test command runs the suite on every core (-n auto --dist loadfile)
+    "pytest-timeout",  # a test that hangs fails with every thread's stack (pyproject.toml: timeout) instead of stalling CI
     "hypothesis>=6.100",
     "gguf==0.19.0",
     "torch==2.13.0",

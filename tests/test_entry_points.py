@@ -39,8 +39,9 @@ def rel(a, b) -> float:
 
 
 def _run(module, *args):
-    # XLA's backend optimization level 0: shorter compiles, the same programs (as the serving tests)
-    xla = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    # XLA's backend optimization level 0: shorter compiles, the same programs (as the serving tests); the run's
+    # own flags (tests/conftest.py: 8 devices, YNNPACK fusions off) kept
+    xla = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla)
     return subprocess.run(
         [sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600

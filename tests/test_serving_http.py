@@ -411,7 +411,7 @@ def test_sigterm_drains_and_exits_zero(tmp_path):
     """The real server on the tiny random model: SIGTERM while a stream runs: the stream ends with its error
     event, new requests get 503, the process exits 0 within the grace (+ a few seconds), no traceback logged."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-           "XLA_FLAGS": "--xla_backend_optimization_level=0"}  # fmt: skip
+           "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_cpu_experimental_ynn_fusion_type="}  # fmt: skip
     args = [sys.executable, "-m", "experiments.serve", "--config=configs/tiny.py", "--port=0", "--slots=1",
             "--max_len=4096", "--max_queue=32", "--buckets=1,16", "--compilation_cache=", "--prefix_cache_mb=0", "--narrow=false",
             "--shutdown_grace_s=1", "--model_name=tiny", "--header_timeout_s=2"]  # fmt: skip

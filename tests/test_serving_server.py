@@ -32,7 +32,7 @@ GREEDY = {"temperature": 0}  # the anthropic SDK has no temperature argument any
 def server(tmp_path_factory):
     # One CPU device; the least XLA optimization: compiles in ~60% of the time (start-up dominates this module).
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-           "XLA_FLAGS": "--xla_backend_optimization_level=0"}  # fmt: skip
+           "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_cpu_experimental_ynn_fusion_type="}  # fmt: skip
     args = [sys.executable, "-m", "experiments.serve", "--port=0", "--slots=4", "--max_len=256", "--max_queue=16",
             "--buckets=1,16", f"--api_key={KEY}", "--compilation_cache="]  # fmt: skip
     log = tmp_path_factory.mktemp("serve") / "log.txt"

@@ -61,7 +61,9 @@ from glm53.runtime.weights import decode_state
 # 0.75. xla_cpu_prefer_vector_width=512 on top: 0.86 / 0.96 / 1.02 / 1.05 / 1.04 (noise: not taken);
 # xla_cpu_parallel_codegen_split_count=1, xla_cpu_multi_thread_eigen=false: no consistent change;
 # xla_cpu_use_thunk_runtime no longer exists. The fusions also crashed XLA:CPU on the train step
-# (glm53.train.step.CPU_OPTIONS).
+# (glm53.train.step.CPU_OPTIONS); in jaxlib 0.10.2 they crash or hang on some rank-7/8 broadcast-multiply-reduces
+# (jax-ml/jax#39257). Prefill keeps them (2.4x faster with quantized experts, below): its fusions are of rank <= 5
+# on glm53-mini (checked in an XLA dump); the test suite runs with them off (tests/conftest.py).
 CPU_OPTIONS: dict = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
