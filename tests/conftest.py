@@ -10,10 +10,11 @@ import tempfile
 # (jax-ml/jax#39257, fixed in XNNPACK after that release). A CI run lost a worker to a SIGSEGV and then stalled
 # until its time ran out; another run of the same commit passed. The fusions are a speed choice (the serving
 # prefill takes them: glm53.runtime.programs); results are the same with them off, which is what the suite checks.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_cpu_experimental_ynn_fusion_type="
-).strip()
+_OURS = ("--xla_force_host_platform_device_count=8", "--xla_cpu_experimental_ynn_fusion_type=")
+os.environ["XLA_FLAGS"] = " ".join(  # each once: an inherited value of either flag is replaced
+    [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in {o.split("=")[0] for o in _OURS}]
+    + list(_OURS)
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # One persistent XLA compilation cache per test run, shared by the xdist workers and by the entry points the tests

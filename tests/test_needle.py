@@ -27,7 +27,7 @@ from glm53.errors import ConfigError
 from glm53.runtime.sampling import SamplingParams
 from glm53.serving.offline import generate
 from glm53.tokenizer import ByteTokenizer, load_tokenizer
-from tests.test_workbench import run_forked
+from tests.forkrun import run_forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = model_config_from_dict(tiny.get_config("default").model)  # vocab 128: bytes of ASCII code are tokens

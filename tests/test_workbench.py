@@ -9,8 +9,8 @@
 * outputs in a run folder with the run record beside them, files with the umask's mode;
 * the persistent compilation cache: a second identical run finds its programs there.
 
-The error cases run in forked children of one process that has imported JAX and the entry points' shared
-modules once (`run_forked`): each case costs a fork, not an interpreter start; they never reach a device.
+The error cases run in children forked from a clean process that has imported JAX and the entry points' shared
+modules once (tests/forkrun.py): each case costs a fork, not an interpreter start.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from __future__ import annotations
 import glob
 import json
 import os
-import runpy
 import stat
 import subprocess
 import sys
-import tempfile
 
 import pytest
+
+from tests.forkrun import run_forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRY_POINTS = sorted(
@@ -37,47 +37,6 @@ def _source(module: str) -> str:
 
 
 WITH_CONFIG = [e for e in ENTRY_POINTS if "DEFINE_config_file" in _source(e)]
-
-
-def run_forked(module: str, *args: str) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of ``python -m module args`` run in a forked child of this process."""
-    import experiments.cli  # noqa: F401 -- imported once in the parent: JAX, flax, glm53.build
-
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        pid = os.fork()
-        if pid == 0:  # the child: never returns into pytest
-            code = 70
-            try:
-                os.dup2(out.fileno(), 1)
-                os.dup2(err.fileno(), 2)
-                sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 -- pytest's capture is no file descriptor
-                sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
-                sys.argv = [module, *args]
-                from absl import flags
-
-                keep = ("absl", "experiments.cli", "experiments.startup")
-                for mod, defined in list(flags.FLAGS.flags_by_module_dict().items()):  # an entry point another
-                    if not mod.startswith(keep):  # test imported: its flags are defined anew by the child
-                        for f in list(defined):
-                            if f.name in flags.FLAGS:
-                                flags.FLAGS.__delattr__(f.name)
-                runpy.run_module(module, run_name="__main__", alter_sys=True)
-                code = 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else 1
-            except BaseException:  # noqa: BLE001
-                import traceback
-
-                traceback.print_exc()
-                code = 71
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        out.seek(0)
-        err.seek(0)
-        return os.waitstatus_to_exitcode(status), out.read(), err.read()
 
 
 @pytest.fixture(autouse=True)

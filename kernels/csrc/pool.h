@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <pthread.h>
 #include <thread>
 
 namespace glm53 {
@@ -68,9 +69,24 @@ class Pool {
   uint64_t gen_ = 0;
 };
 
-inline Pool& pool(int threads) {  // one pool per process, sized by the first call (leaked: workers never exit)
-  static Pool* p = new Pool(std::max(0, threads - 1));
-  return *p;
+inline std::atomic<Pool*>& pool_slot() {
+  static std::atomic<Pool*> slot{nullptr};
+  return slot;
+}
+
+// One pool per process, sized by the first call (leaked: its workers never exit). A forked child inherits the
+// pool without the threads behind it, and would wait for them forever: the child's first call builds its own.
+inline Pool& pool(int threads) {
+  static const bool at_fork = [] {
+    pthread_atfork(nullptr, nullptr, [] { pool_slot().store(nullptr); });
+    return true;
+  }();
+  (void)at_fork;
+  Pool* p = pool_slot().load(std::memory_order_acquire);
+  if (p != nullptr) return *p;
+  Pool* fresh = new Pool(std::max(0, threads - 1));
+  // Two first callers at once: one pool wins, the other stays idle (leaked, as every pool is).
+  return pool_slot().compare_exchange_strong(p, fresh, std::memory_order_acq_rel) ? *fresh : *p;
 }
 
 }  // namespace glm53
