@@ -168,6 +168,15 @@ def test_mtp_acceptance_counts(run):
     assert m["acceptance"] == pytest.approx(m["accepted"] / m["drafted"])
 
 
+def test_mtp_acceptance_skipped_with_no_prompts(run):
+    """experiments.export --prompts=0 skips the acceptance: nothing decoded, no acceptance (it once failed inside
+    the serving engine on an empty prompt list)."""
+    _, model = load_hf_model(run["out"], dtype=jnp.float32)
+    assert model.mtp is not None
+    m = card.mtp_acceptance(model, _test_tokens(run), prompts=0, prompt_len=16, max_new=8)
+    assert m == dict(prompts=0, accepted=0, drafted=0, acceptance=None)
+
+
 def test_training_summary_from_metrics():
     recs = [dict(kind="train", step=10, tokens=100.0, tokens_per_s=50.0, lm_loss=3.0, loss=4.0),
             dict(kind="eval", step=10, loss=3.5, ppl=33.0),

@@ -194,7 +194,7 @@ def mtp_acceptance(
 ) -> dict:
     """Greedy speculative decoding of `prompts` prompts of `prompt_len` tokens cut at evenly spaced offsets of
     `tokens`, `max_new` new tokens each (no stop ids: every prompt runs to `max_new`)."""
-    if model.mtp is None:
+    if model.mtp is None or prompts == 0:  # no MTP block, or skipped (experiments.export --prompts=0)
         return dict(prompts=0, accepted=0, drafted=0, acceptance=None)
     span = len(tokens) - prompt_len
     if span < 0:
