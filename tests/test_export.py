@@ -128,11 +128,30 @@ def test_loader_reads_back_identical_arrays(run):
         np.testing.assert_array_equal(got[p], stored, err_msg=".".join(map(str, p)))
 
 
+def _spaced_windows(tokens: np.ndarray, seq: int, n: int) -> np.ndarray:
+    """n of the text's full seq-token windows, the first, the last and the rest evenly between (card.eval_windows)."""
+    total = len(tokens) // seq
+    n = min(n, total)
+    picks = [0] if n == 1 else [round(i * (total - 1) / (n - 1)) for i in range(n)]
+    return np.stack([tokens[w * seq : (w + 1) * seq] for w in picks])
+
+
+def test_eval_windows_are_spread_over_the_text():
+    tokens = np.arange(1000)
+    w = card.eval_windows(tokens, 10, 40)  # 100 windows, budget 4: windows 0, 33, 66, 99
+    assert w.dtype == np.int32 and [int(r[0]) for r in w] == [0, 330, 660, 990]
+    assert (w == np.arange(10) + w[:, :1]).all()  # whole consecutive windows
+    assert len(card.eval_windows(tokens, 10, 10**6)) == 100  # a budget over the text: every window once
+    assert len(card.eval_windows(tokens[:15], 10, 5)) == 1  # at least one window; a partial one is never scored
+    with pytest.raises(ValueError, match="fewer than one window"):
+        card.eval_windows(tokens[:9], 10, 100)
+
+
 def test_card_perplexity_equals_numpy(run):
     ev = run["doc"]["evaluation"]
     seq = run["config"].seq_len
     n = EVAL["test_tokens"] // seq
-    windows = _test_tokens(run)[: n * seq].reshape(n, seq)
+    windows = _spaced_windows(_test_tokens(run), seq, n)
     _, model = load_hf_model(run["out"], dtype=jnp.float32)
     logits, _ = scoring.score(model, [list(map(int, w)) for w in windows])
     nll = []
@@ -152,7 +171,7 @@ def test_unigram_perplexity_equals_counts(run):
     counts, total, vocab = collections.Counter(train.tolist()), len(train), int(meta["vocab_size"])
     seq = run["config"].seq_len
     n = EVAL["test_tokens"] // seq
-    targets = [int(t) for w in _test_tokens(run)[: n * seq].reshape(n, seq) for t in w[1:]]
+    targets = [int(t) for w in _spaced_windows(_test_tokens(run), seq, n) for t in w[1:]]
     nll = -sum(math.log((counts[t] + 1) / (total + vocab)) for t in targets) / len(targets)
     assert ev["unigram"]["tokens"] == len(targets)
     assert ev["unigram"]["ppl"] == pytest.approx(math.exp(nll), rel=1e-9)

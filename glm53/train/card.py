@@ -7,8 +7,9 @@ Every number comes from the run's files or is measured here on the exported weig
   * training (``metrics.jsonl``): steps, tokens seen (steps x batch x seq_len, padding included), training time = the sum of the logged intervals (tokens / tokens_per_s: the train steps, compile
     included, evaluation and checkpoint saves excluded), elapsed = first to last write of the run's files, the last
     logged train loss and the last validation evaluation;
-  * `window_nll`: held-out perplexity as the loop's evaluation counts it: the split cut into ``seq_len``-token
-    windows (window w = tokens [w L, (w + 1) L)), L - 1 next-token predictions per window, full windows only;
+  * `window_nll`: held-out perplexity as the loop's evaluation counts it: ``seq_len``-token windows (window w =
+    tokens [w L, (w + 1) L)), L - 1 next-token predictions per window, full windows only, as many as the token
+    budget holds, evenly spaced over the text (`eval_windows`);
   * `unigram`: the same targets under a unigram model of the train split (add-one smoothing), and `self_unigram`:
     under the unigram fitted to those targets themselves (their own token frequencies: the best any unigram does on
     them, the baselines of the held-out packages and of the standard library's test files);
@@ -142,13 +143,17 @@ def machine() -> str:
 
 # ------------------------------------------------------------------------------------------------ evaluation
 def eval_windows(tokens: np.ndarray, seq_len: int, max_tokens: int) -> np.ndarray:
-    """int32 [W, seq_len]: the first full windows of `tokens` holding at most `max_tokens` tokens (>= 1 window)."""
+    """int32 [W, seq_len]: W = max_tokens // seq_len (>= 1) of the text's full windows (window w = tokens
+    [w L, (w + 1) L)), evenly spaced over all of them (all of them when there are no more than W): a split of many
+    files or packages is sampled throughout, not only in its first files."""
     if seq_len < 2:
         raise ValueError(f"seq_len: need >= 2, got {seq_len}")
-    n = min(len(tokens), max(max_tokens, seq_len)) // seq_len
-    if n < 1:
+    total = len(tokens) // seq_len
+    if total < 1:
         raise ValueError(f"the split holds {len(tokens)} tokens, fewer than one window of seq_len {seq_len}")
-    return np.asarray(tokens[: n * seq_len], np.int32).reshape(n, seq_len)
+    n = min(total, max(max_tokens // seq_len, 1))
+    picks = np.round(np.linspace(0, total - 1, n)).astype(np.int64)
+    return np.asarray(tokens[: total * seq_len], np.int32).reshape(total, seq_len)[picks]
 
 
 def window_nll(model: Glm53Model, windows: np.ndarray, *, batch: int = 8) -> dict:
@@ -355,12 +360,14 @@ def render(card: dict) -> str:
         "",
         *_eval_table(ev, test, uni),
         "",
-        f"Windows of {ev['seq_len']} tokens, {ev['seq_len'] - 1} predictions each, as the training loop's evaluation.",
+        f"Windows of {ev['seq_len']} tokens, {ev['seq_len'] - 1} predictions each, as the training loop's evaluation, "
+        "evenly spaced over each text.",
         "",
-        f"MTP draft acceptance (greedy speculative decoding, {mtp.get('prompts')} test-split prompts of "
-        f"{mtp.get('prompt_len')} tokens, {mtp.get('max_new')} new tokens each): {acc} "
-        f"({mtp.get('accepted')} / {mtp.get('drafted')} drafts; "
-        f"{fmt(mtp.get('tokens_per_verify_step'), '.2f')} tokens per trunk step).",
+        (f"MTP draft acceptance (greedy speculative decoding, {mtp.get('prompts')} test-split prompts of "
+         f"{mtp.get('prompt_len')} tokens, {mtp.get('max_new')} new tokens each): {acc} "
+         f"({mtp.get('accepted')} / {mtp.get('drafted')} drafts; "
+         f"{fmt(mtp.get('tokens_per_verify_step'), '.2f')} tokens per trunk step)."
+         if mtp.get("prompts") else "MTP draft acceptance: not measured (no MTP block, or --prompts=0)."),
         "",
         "## Reproduce",
         "",
