@@ -1,9 +1,12 @@
 """Test setup: 8 virtual CPU devices, set before jax is imported anywhere."""
 
+import faulthandler
 import os
 import shutil
 import sys
 import tempfile
+
+import pytest
 
 # XLA:CPU's YNNPACK fusions off for every program the run compiles (its workers and the entry points it starts
 # inherit XLA_FLAGS): in jaxlib 0.10.2 they crash or hang now and then on some fused broadcast-multiply-reduces
@@ -86,6 +89,28 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file-internal order kept
+
+
+# A hard limit per test (setup, call and teardown), past pyproject.toml's pytest-timeout (900 s): pytest-timeout's
+# thread needs the GIL, so a test stuck inside compiled code that holds it (a deadlock in a C extension) would stall
+# the whole run silently. faulthandler's watchdog is a C thread: it writes every thread's Python stack to the
+# worker's own stderr and ends the worker, which xdist reports as a crash of that test, then the run goes on.
+HARD_TIMEOUT_S = float(os.environ.get("GLM53_TEST_HARD_TIMEOUT_S", "1200"))
+_STDERR_FD = None
+
+
+def pytest_configure(config):
+    global _STDERR_FD
+    _STDERR_FD = os.dup(2)  # the real stderr: tests run with fd 2 captured, and what goes there is lost on exit
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    faulthandler.dump_traceback_later(HARD_TIMEOUT_S, exit=True, file=_STDERR_FD)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def pytest_unconfigure(config):
