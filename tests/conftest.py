@@ -102,11 +102,18 @@ _STDERR_FD = None
 def pytest_configure(config):
     global _STDERR_FD
     _STDERR_FD = os.dup(2)  # the real stderr: tests run with fd 2 captured, and what goes there is lost on exit
+    if config.pluginmanager.hasplugin("xdist"):  # a dead worker: no deadlock, one rerun, its stacks at the end
+        from tests import xdist_crashes
+
+        config.pluginmanager.register(xdist_crashes, "glm53-xdist-crashes")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    faulthandler.dump_traceback_later(HARD_TIMEOUT_S, exit=True, file=_STDERR_FD)
+    from tests import xdist_crashes
+
+    fd = xdist_crashes.worker_fd()  # a worker's dump file: the controller prints it when the worker dies
+    faulthandler.dump_traceback_later(HARD_TIMEOUT_S, exit=True, file=_STDERR_FD if fd is None else fd)
     try:
         yield
     finally:
